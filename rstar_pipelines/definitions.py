@@ -1,0 +1,38 @@
+"""The Dagster code location: assets built from assets/pipeline.yaml, plus the
+sensors, schedule and resources that run them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dagster as dg
+
+from rstar_pipelines import settings
+from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.pipeline.factory import build_assets
+from rstar_pipelines.pipeline.spec import PipelineSpec, load_pipeline
+from rstar_pipelines.schedules import aggregates_schedule
+from rstar_pipelines.seeds.stages import SeedIngestion
+from rstar_pipelines.sensors import automation_sensor, seed_file_sensor
+from rstar_pipelines.stages import STAGES
+from rstar_pipelines.storage import ParquetIOManager
+
+
+def load_spec(path: Path | None = None) -> PipelineSpec:
+    return load_pipeline(path or settings.pipeline_file(), STAGES, settings.prompts_dir())
+
+
+def build_definitions(spec: PipelineSpec) -> dg.Definitions:
+    schedule = aggregates_schedule(spec)
+    return dg.Definitions(
+        assets=build_assets(spec),
+        sensors=[
+            *(seed_file_sensor(a) for a in spec.with_stage(SeedIngestion)),
+            automation_sensor(),
+        ],
+        schedules=[schedule] if schedule else [],
+        resources={"io_manager": ParquetIOManager(), "llm": LLMResource()},
+    )
+
+
+defs = build_definitions(load_spec())

@@ -1,0 +1,59 @@
+"""The LLM layer: one interface, `LLM.generate(prompts, params)`, over several backends.
+
+- `transformers`: in-process, the CPU default; a Hugging Face directory, a .gguf file or "embedded".
+- `openai`: any OpenAI-compatible server (vLLM, SGLang, `transformers serve`, llama.cpp).
+- `vllm`: the in-process vLLM engine, on GPUs.
+
+Importing this package loads none of torch, transformers or vllm; a backend imports them when built.
+The Dagster resource is `rstar_pipelines.llm.resource.LLMResource`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .embedded import EmbeddedModelMissing, embedded_model_path, export_embedded_model
+from .types import LLM, Completion, Prompt, SamplingParams, truncate_at_stop
+
+BACKENDS = ("transformers", "openai", "vllm")
+
+__all__ = [
+    "BACKENDS",
+    "LLM",
+    "Completion",
+    "EmbeddedModelMissing",
+    "Prompt",
+    "SamplingParams",
+    "embedded_model_path",
+    "export_embedded_model",
+    "load_llm",
+    "truncate_at_stop",
+]
+
+
+def load_llm(backend: str = "transformers", model: str | None = None, **options: Any) -> LLM:
+    """Build an LLM.
+
+    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype.
+    - openai: options base_url (required, e.g. http://127.0.0.1:8000/v1), api_key, max_concurrency,
+      max_retries, timeout; `model` defaults to the first model the server lists.
+    - vllm: `model` is required (a Hugging Face id or directory); options go to `vllm.LLM`.
+    """
+    if backend == "transformers":
+        from .transformers_backend import TransformersLLM
+
+        return TransformersLLM(model or "embedded", **options)
+    if backend == "openai":
+        from .openai_backend import OpenAILLM
+
+        return OpenAILLM(model=model, **options)
+    if backend == "vllm":
+        from .vllm_backend import VllmLLM
+
+        if model is None or model == "embedded":
+            raise ValueError(
+                "the vllm backend needs a Hugging Face model id or directory; to serve the "
+                "embedded model, write one with export_embedded_model(dir) and pass that dir"
+            )
+        return VllmLLM(model, **options)
+    raise ValueError(f"unknown LLM backend {backend!r}: expected one of {', '.join(BACKENDS)}")

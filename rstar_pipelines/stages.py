@@ -1,0 +1,8 @@
+"""The stage kinds that pipeline.yaml may name, by class name."""
+
+from __future__ import annotations
+
+from rstar_pipelines.pipeline.stage import Stage
+from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
+
+STAGES: dict[str, type[Stage]] = {cls.__name__: cls for cls in (SeedIngestion, SeedCatalog)}

