@@ -123,10 +123,13 @@ def demo() -> None:
             )
     if failed:
         raise click.ClickException("a run failed; see the log above")
+    bin_dir = os.path.relpath(Path(sys.executable).parent)
     click.echo(
         f"\nOutputs: {settings.lake_dir()} (Parquet, one file per asset partition)\n"
-        f'Query them:  rstar query "select domain, count(*) from seed_problems group by 1"\n'
-        f"Open the UI: DAGSTER_HOME={os.environ['DAGSTER_HOME']} dagster dev   (or: make dev)"
+        f"Query them:  {bin_dir}/rstar query "
+        f'"select domain, count(*) from seed_problems group by 1"\n'
+        f"Open the UI: make dev   (or: DAGSTER_HOME={os.environ['DAGSTER_HOME']} "
+        f"{bin_dir}/dagster dev)"
     )
 
 
@@ -144,6 +147,66 @@ def model_export(dest: Path) -> None:
 
     export_embedded_model(dest)
     click.echo(f"wrote {dest}")
+
+
+@main.group()
+def sandbox() -> None:
+    """The code sandbox (rstar_sandbox)."""
+
+
+@sandbox.command("build-image")
+@click.option("--image", help="Tag to build (default: rstar-sandbox:<version of its recipe>).")
+def sandbox_build_image(image: str | None) -> None:
+    """Build the sandbox image offline (debootstrap + docker import); no-op if it exists."""
+    from rstar_sandbox.image import build_image
+
+    tag, built = build_image(image=image)
+    click.echo(f"{'built' if built else 'already present:'} {tag}")
+
+
+@sandbox.command("run")
+@click.argument("program", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--stdin", "stdin_file", type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--backend", default="auto", type=click.Choice(["auto", "docker", "process"]))
+@click.option("--timeout", "timeout_s", default=10.0, show_default=True)
+@click.option("--memory-mb", default=256, show_default=True)
+def sandbox_run(
+    program: Path, stdin_file: Path | None, backend: str, timeout_s: float, memory_mb: int
+) -> None:
+    """Run one Python program in the sandbox and show what happened."""
+    from rstar_sandbox import Job, Sandbox
+
+    job = Job(
+        code=program.read_text(),
+        stdin=stdin_file.read_text() if stdin_file else "",
+        timeout_s=timeout_s,
+        memory_mb=memory_mb,
+    )
+    with Sandbox(backend=backend, workers=1) as sb:
+        [result] = sb.run([job])
+    click.echo(result.stdout, nl=False)
+    click.echo(result.stderr, nl=False, err=True)
+    click.echo(
+        f"[{result.status}] exit {result.exit_code}, {result.wall_s * 1e3:.1f} ms wall, "
+        f"{result.cpu_s * 1e3:.1f} ms CPU, {result.peak_memory_mb:.1f} MB peak",
+        err=True,
+    )
+    sys.exit(0 if result.ok else 1)
+
+
+@sandbox.command("bench")
+@click.option("--backend", default="auto", type=click.Choice(["auto", "docker", "process"]))
+@click.option("--workers", type=int, help="Pool size (default: the number of CPUs).")
+@click.option("--jobs", default=500, show_default=True, help="Trivial jobs per client count.")
+def sandbox_bench(backend: str, workers: int | None, jobs: int) -> None:
+    """Quick throughput check of the pool (the full benchmark: benchmarks/sandbox_throughput.py)."""
+    from rstar_sandbox import Sandbox
+    from rstar_sandbox.bench import HEADER, TRIVIAL, bench_pool
+
+    with Sandbox(backend=backend, workers=workers) as sb:
+        click.echo(HEADER)
+        for row in bench_pool(sb, {"trivial": (TRIVIAL, jobs)}, [1, 8]):
+            click.echo(row.row())
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from rstar_pipelines import settings
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.factory import build_assets
 from rstar_pipelines.pipeline.spec import PipelineSpec, load_pipeline
+from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.schedules import aggregates_schedule
 from rstar_pipelines.seeds.stages import SeedIngestion
 from rstar_pipelines.sensors import automation_sensor, seed_file_sensor
@@ -31,7 +32,11 @@ def build_definitions(spec: PipelineSpec) -> dg.Definitions:
             automation_sensor(),
         ],
         schedules=[schedule] if schedule else [],
-        resources={"io_manager": ParquetIOManager(), "llm": LLMResource()},
+        resources={
+            "io_manager": ParquetIOManager(),
+            "llm": LLMResource(),
+            "sandbox": SandboxResource(),
+        },
     )
 
 

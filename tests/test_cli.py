@@ -32,3 +32,21 @@ def test_query_errors_are_clear(isolated_dirs):
     result = CliRunner().invoke(main, ["query", "select * from no_such_asset"])
     assert result.exit_code != 0
     assert "no_such_asset" in result.output and "Parquet files under" in result.output
+
+
+def test_sandbox_run(tmp_path):
+    program = tmp_path / "add.py"
+    program.write_text("a, b = map(int, input().split())\nprint(a + b)\n")
+    stdin = tmp_path / "in.txt"
+    stdin.write_text("20 22\n")
+    runner = CliRunner()
+    result = runner.invoke(
+        main, ["sandbox", "run", str(program), "--stdin", str(stdin), "--backend", "process"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("42\n")
+    assert "[ok] exit 0" in result.stderr
+
+    program.write_text("raise SystemExit(4)")
+    failed = runner.invoke(main, ["sandbox", "run", str(program), "--backend", "process"])
+    assert failed.exit_code == 1 and "[runtime_error] exit 4" in failed.stderr

@@ -91,9 +91,8 @@ def find_seed_file(directory: Path, batch: str) -> Path:
         names = ", ".join(f"{batch}{s}" for s in SEED_SUFFIXES)
         raise SeedFileError(f"no seed file for batch {batch!r} in {directory} (looked for {names})")
     if len(found) > 1:
-        raise SeedFileError(
-            f"batch {batch!r} is ambiguous: {', '.join(p.name for p in found)} all exist in {directory}"
-        )
+        names = ", ".join(p.name for p in found)
+        raise SeedFileError(f"batch {batch!r} is ambiguous: {names} all exist in {directory}")
     return found[0]
 
 

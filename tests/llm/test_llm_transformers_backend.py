@@ -80,7 +80,7 @@ def test_chat_ending_with_assistant_message_is_continued(embedded_llm):
 
 def test_n_samples_per_prompt(embedded_llm):
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=0)
-    results = embedded_llm.generate(PROMPTS[:2] + [SAY_HI], params)
+    results = embedded_llm.generate([*PROMPTS[:2], SAY_HI], params)
     assert [len(samples) for samples in results] == [3, 3, 3]
     assert any(len({c.text for c in samples}) > 1 for samples in results)
     assert all(c.prompt_tokens == samples[0].prompt_tokens for samples in results for c in samples)

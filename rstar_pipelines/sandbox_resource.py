@@ -1,0 +1,43 @@
+"""The Dagster resource that hands assets a running sandbox pool."""
+
+from __future__ import annotations
+
+import os
+
+import dagster as dg
+from pydantic import Field, PrivateAttr
+
+
+class SandboxResource(dg.ConfigurableResource):
+    """`sandbox.get()` returns a started `rstar_sandbox.Sandbox`; it starts on first use
+    (assets that run no code start no containers) and stops when the step ends.
+
+    Unset fields fall back to RSTAR_SANDBOX_BACKEND (default "auto": Docker when an
+    engine answers, else the process backend) and RSTAR_SANDBOX_WORKERS (default: the
+    number of CPUs)."""
+
+    backend: str | None = None
+    workers: int | None = None
+    image: str | None = None
+    preload: list[str] = Field(default_factory=lambda: ["numpy"])
+
+    _sandbox = PrivateAttr(default=None)
+
+    def get(self):
+        from rstar_sandbox import Sandbox
+
+        if self._sandbox is None:
+            workers = self.workers or int(os.environ.get("RSTAR_SANDBOX_WORKERS", 0)) or None
+            self._sandbox = Sandbox(
+                backend=self.backend or os.environ.get("RSTAR_SANDBOX_BACKEND", "auto"),
+                workers=workers,
+                image=self.image,
+                preload=tuple(self.preload),
+            )
+            self._sandbox.start()
+        return self._sandbox
+
+    def teardown_after_execution(self, context: dg.InitResourceContext) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
+            self._sandbox = None

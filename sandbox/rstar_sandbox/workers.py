@@ -1,0 +1,287 @@
+"""Workers: one sandbox server each, in a Docker container or a namespaced host process.
+
+Both speak the server's JSON-lines protocol over a stream socket, so the pool drives
+them the same way; they differ only in how the server is started and stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SERVER_FILE = Path(__file__).with_name("server.py")
+CONTAINER_SERVER = "/opt/rstar/server.py"
+CONTAINER_SOCKET_DIR = "/run/rstar"
+OWNER_LABEL = "rstar-sandbox.owner"
+BASE_UID = 10001
+log = logging.getLogger("rstar_sandbox")
+
+
+class WorkerDied(RuntimeError):
+    """The server stopped answering (crashed, killed, or hung past the job's timeout)."""
+
+
+class Worker:
+    """A started sandbox server reachable through `self._sock`."""
+
+    name = "worker"
+    _sock: socket.socket
+
+    def execute(self, request: dict, timeout_s: float) -> dict:
+        try:
+            self._sock.settimeout(timeout_s)
+            self._sock.sendall(json.dumps(request).encode("utf-8") + b"\n")
+            line = self._reader.readline()
+        except (OSError, ValueError) as err:  # timeouts are OSErrors too
+            raise WorkerDied(f"{self.name}: {type(err).__name__}: {err}") from err
+        if not line:
+            raise WorkerDied(f"{self.name}: the server closed the connection")
+        reply = json.loads(line)
+        if reply.get("id") != request["id"]:
+            raise WorkerDied(
+                f"{self.name}: reply for job {reply.get('id')}, expected {request['id']}"
+            )
+        return reply
+
+    def _connect(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._reader = sock.makefile("rb")
+
+    def close(self) -> None:
+        for closer in (getattr(self, "_reader", None), getattr(self, "_sock", None)):
+            if closer is not None:
+                try:
+                    closer.close()
+                except OSError:
+                    pass
+
+
+class DockerWorker(Worker):
+    """A locked-down container: no network, read-only root, a size-capped tmpfs for /tmp,
+    a non-root user of its own, no capabilities, no-new-privileges, and caps on pids,
+    memory and CPU. The server file is mounted read-only, so the image never goes stale."""
+
+    def __init__(
+        self,
+        client,
+        image: str,
+        index: int,
+        *,
+        preload: tuple[str, ...],
+        memory_mb: int,
+        pids: int,
+        cpus: float,
+        tmpfs_mb: int,
+        start_timeout_s: float,
+    ):
+        self.name = f"docker-worker-{index}"
+        self._socket_dir = tempfile.mkdtemp(prefix="rstar-sandbox-")
+        os.chmod(self._socket_dir, 0o777)  # the container's user creates the socket here
+        uid = BASE_UID + index  # per-container uid: RLIMIT_NPROC counts per user
+        command = [
+            "python3",
+            "-I",
+            CONTAINER_SERVER,
+            "--scratch",
+            "/tmp",
+            "--listen",
+            f"{CONTAINER_SOCKET_DIR}/server.sock",
+            "--preload",
+            ",".join(preload),
+        ]
+        try:
+            self.container = client.containers.run(
+                image,
+                command=command,
+                detach=True,
+                network_mode="none",
+                read_only=True,
+                tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={tmpfs_mb}m,mode=1777"},
+                user=f"{uid}:{uid}",
+                cap_drop=["ALL"],
+                security_opt=["no-new-privileges"],
+                pids_limit=pids,
+                mem_limit=f"{memory_mb}m",
+                memswap_limit=f"{memory_mb}m",
+                nano_cpus=int(cpus * 1e9),
+                working_dir="/tmp",
+                volumes={
+                    str(SERVER_FILE): {"bind": CONTAINER_SERVER, "mode": "ro"},
+                    self._socket_dir: {"bind": CONTAINER_SOCKET_DIR, "mode": "rw"},
+                },
+                labels={OWNER_LABEL: owner_label()},
+            )
+            self._connect(self._wait_for_socket(start_timeout_s))
+        except BaseException:
+            self.close()
+            raise
+
+    def _wait_for_socket(self, timeout_s: float) -> socket.socket:
+        path = os.path.join(self._socket_dir, "server.sock")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if os.path.exists(path):
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    sock.connect(path)
+                    return sock
+                except OSError:
+                    sock.close()
+            self.container.reload()
+            if self.container.status == "exited":
+                logs = self.container.logs(tail=20).decode(errors="replace")
+                raise RuntimeError(f"{self.name}: the sandbox server exited at start:\n{logs}")
+            time.sleep(0.02)
+        raise RuntimeError(f"{self.name}: the sandbox server did not start in {timeout_s:.0f} s")
+
+    def kill(self) -> None:
+        """Stop the container abruptly (used by tests and when it stops answering)."""
+        self.container.kill()
+
+    def close(self) -> None:
+        super().close()
+        container = getattr(self, "container", None)
+        if container is not None:
+            try:
+                container.remove(force=True)
+            except Exception as err:  # already gone, or the engine went away: nothing to keep
+                log.debug("%s: remove failed: %s", self.name, err)
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+
+_warned_process_backend = False
+
+
+def default_interpreter() -> str:
+    """Debian's python3 when there is one: jobs run as nobody, who may not be able to
+    read an interpreter installed under a private home (pyenv under /root, say)."""
+    return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
+
+
+def _namespace_command(python: str, server_args: list[str]) -> list[str]:
+    """Fresh PID, network, IPC, UTS and mount namespaces, with a private tmpfs on /tmp."""
+    script = 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /tmp && exec "$@"'
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return [
+        "unshare",
+        *user,
+        "--fork",
+        "--pid",
+        "--mount-proc",
+        "--net",
+        "--ipc",
+        "--uts",
+        "--mount",
+        "--propagation",
+        "private",
+        "--",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        python,
+        "-I",
+        str(SERVER_FILE),
+        "--scratch",
+        "/tmp",
+        *server_args,
+    ]
+
+
+class ProcessWorker(Worker):
+    """The same server as a host process in fresh namespaces (no network, own PID
+    namespace, private /tmp) with the same rlimits. Weaker than a container: the host's
+    files are visible (read-only to the job only through its uid), and there is no
+    memory or pids cgroup."""
+
+    def __init__(
+        self,
+        index: int,
+        *,
+        preload: tuple[str, ...],
+        start_timeout_s: float,
+        python: str | None = None,
+    ):
+        global _warned_process_backend
+        if not _warned_process_backend:
+            log.warning(
+                "rstar_sandbox: process backend: jobs run as host processes in fresh "
+                "namespaces with rlimits; isolation is weaker than the Docker backend"
+            )
+            _warned_process_backend = True
+        if shutil.which("unshare") is None:
+            raise RuntimeError("the process backend needs `unshare` (util-linux)")
+        self.name = f"process-worker-{index}"
+        host_end, server_end = socket.socketpair()
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
+        try:
+            self.process = subprocess.Popen(
+                _namespace_command(
+                    python or default_interpreter(), ["--preload", ",".join(preload)]
+                ),
+                stdin=server_end,
+                stdout=server_end,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,
+            )
+        finally:
+            server_end.close()
+        self._connect(host_end)
+        # A first no-op job proves the server (and its namespaces) came up.
+        try:
+            self.execute({"id": -1, "code": "pass", "timeout_s": 5.0}, start_timeout_s)
+        except WorkerDied as err:
+            self.close()
+            stderr = self.process.stderr.read().decode(errors="replace")[-2000:]
+            raise RuntimeError(
+                f"{self.name}: the sandbox server did not start: {err}\n{stderr}"
+            ) from err
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def close(self) -> None:
+        super().close()
+        self.kill()
+        self.process.wait()
+        self.process.stderr.close()
+
+
+def owner_label() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def remove_orphaned_containers(client) -> int:
+    """Remove sandbox containers left by processes of this host that no longer exist
+    (a pool killed by SIGKILL cannot clean up after itself)."""
+    removed = 0
+    host = socket.gethostname()
+    for container in client.containers.list(all=True, filters={"label": OWNER_LABEL}):
+        owner_host, _, pid = container.labels.get(OWNER_LABEL, "").rpartition(":")
+        if owner_host == host and pid.isdigit() and not _pid_alive(int(pid)):
+            container.remove(force=True)
+            removed += 1
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

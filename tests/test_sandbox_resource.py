@@ -1,0 +1,23 @@
+import subprocess
+
+import dagster as dg
+
+from rstar_pipelines.sandbox_resource import SandboxResource
+
+
+@dg.asset
+def sums(sandbox: SandboxResource) -> dg.MaterializeResult:
+    results = sandbox.get().run_many("print(sum(map(int, input().split())))", ["1 2\n", "3 4\n"])
+    return dg.MaterializeResult(metadata={"outputs": [r.stdout.strip() for r in results]})
+
+
+def test_sandbox_resource_runs_jobs_in_an_asset_and_stops_after(monkeypatch):
+    monkeypatch.setenv("RSTAR_SANDBOX_BACKEND", "process")
+    resource = SandboxResource(workers=1)
+    result = dg.materialize([sums], resources={"sandbox": resource})
+    assert result.success
+    [event] = result.get_asset_materialization_events()
+    assert event.materialization.metadata["outputs"].value == ["3", "7"]
+    # The pool was stopped when the step ended: no server process is left.
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    assert "rstar_sandbox/server.py" not in ps
