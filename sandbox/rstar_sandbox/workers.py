@@ -190,7 +190,9 @@ def _namespace_command(python: str, server_args: list[str]) -> list[str]:
         "sh",
         python,
         "-I",
-        str(SERVER_FILE),
+        # The source, not its path: the path may lie under /tmp, which the new tmpfs hides.
+        "-c",
+        SERVER_FILE.read_text(),
         "--scratch",
         "/tmp",
         *server_args,
@@ -241,8 +243,9 @@ class ProcessWorker(Worker):
         try:
             self.execute({"id": -1, "code": "pass", "timeout_s": 5.0}, start_timeout_s)
         except WorkerDied as err:
-            self.close()
+            self.kill()
             stderr = self.process.stderr.read().decode(errors="replace")[-2000:]
+            self.close()
             raise RuntimeError(
                 f"{self.name}: the sandbox server did not start: {err}\n{stderr}"
             ) from err
