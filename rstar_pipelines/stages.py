@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+from rstar_pipelines.coder.generation_stages import (
+    CandidateSolutions,
+    ProblemSynthesis,
+    TestInputGeneration,
+)
+from rstar_pipelines.coder.verification_stages import MutualVerification, VerifiedSolutions
 from rstar_pipelines.pipeline.stage import Stage
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
 
-STAGES: dict[str, type[Stage]] = {cls.__name__: cls for cls in (SeedIngestion, SeedCatalog)}
+STAGES: dict[str, type[Stage]] = {
+    cls.__name__: cls
+    for cls in (
+        SeedIngestion,
+        SeedCatalog,
+        ProblemSynthesis,
+        TestInputGeneration,
+        CandidateSolutions,
+        MutualVerification,
+        VerifiedSolutions,
+    )
+}

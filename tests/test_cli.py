@@ -4,10 +4,15 @@ import dagster as dg
 from click.testing import CliRunner
 
 from rstar_pipelines.cli import main
+from rstar_pipelines.storage import query
 from tests.conftest import DEMO_SEEDS
 
 
 def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isolated_dirs):
+    """`rstar demo` end to end: the embedded model and the real sandbox through the whole
+    declared graph for the demo batch (minutes on a CPU). The 135M model solves little,
+    so few rows survive verification; the point is that every asset is there and
+    consistent with its upstream."""
     runner = CliRunner()
     added = runner.invoke(main, ["seeds", "add", str(DEMO_SEEDS), "--batch", "extra"])
     assert added.exit_code == 0, added.output
@@ -26,6 +31,26 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
     rows = [json.loads(line) for line in out.output.splitlines()]
     assert rows == [{"batch": "demo", "math_problems": rows[0]["math_problems"]}]
     assert rows[0]["math_problems"] > 20
+
+    counts = query(
+        "select (select count(*) from seed_problems) seeds,"
+        " (select count(*) from synthesized_problems where is_seed) carried,"
+        " (select count(*) from synthesized_problems) problems,"
+        " (select count(*) from test_inputs) code_problems,"
+        " (select count(*) from synthesized_problems where domain = 'code') code_rows,"
+        " (select count(*) from candidate_solutions) candidates,"
+        " (select count(*) from verified_outputs) outcomes,"
+        " (select count(*) from verified_outputs where label_source = 'oracle') oracle_labelled,"
+        " (select count(*) from verified_solutions) solutions,"
+        " (select count(*) from verified_outputs, unnest(candidates) as t(c)"
+        "  where c.agrees) agreeing"
+    ).to_pylist()[0]
+    assert counts["carried"] == counts["seeds"] == 42
+    assert counts["code_problems"] == counts["code_rows"] >= 10
+    assert counts["candidates"] == 4 * counts["problems"]
+    assert counts["outcomes"] == counts["problems"]
+    assert counts["oracle_labelled"] == 10  # every code seed is labelled by its oracle
+    assert counts["solutions"] == counts["agreeing"]
 
 
 def test_query_errors_are_clear(isolated_dirs):

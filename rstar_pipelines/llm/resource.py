@@ -31,13 +31,22 @@ class LLMResource(dg.ConfigurableResource):
 
     _clients: dict[tuple[str, str | None], LLM] = PrivateAttr(default_factory=dict)
 
-    def get_llm(self, model: str | None = None) -> LLM:
-        """The LLM for `model` (a role may use another model than the default), built once."""
+    def _resolve(self, model: str | None) -> tuple[str, str | None]:
         backend = self.backend or os.environ.get("RSTAR_LLM_BACKEND", "transformers")
         model = model or self.model or os.environ.get("RSTAR_LLM_MODEL")
         if backend == "transformers":
             model = model or "embedded"
-        key = (backend, model)
+        return backend, model
+
+    def model_id(self, model: str | None = None) -> str:
+        """ "backend:model" for `model` as get_llm would resolve it, without loading it."""
+        backend, resolved = self._resolve(model)
+        return f"{backend}:{resolved or 'server-default'}"
+
+    def get_llm(self, model: str | None = None) -> LLM:
+        """The LLM for `model` (a role may use another model than the default), built once."""
+        key = self._resolve(model)
+        backend, model = key
         if key not in self._clients:
             self._clients[key] = load_llm(backend, model, **self._options(backend))
         return self._clients[key]

@@ -13,9 +13,10 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 
+from rstar_pipelines import settings
 from rstar_pipelines.partitions import PARTITIONINGS
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
-from rstar_pipelines.pipeline.stage import StageContext, StageInputError
+from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
 
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 80
@@ -56,6 +57,12 @@ def table_metadata(table: pa.Table) -> dict[str, Any]:
         "dagster/row_count": table.num_rows,
         "dagster/column_schema": _column_schema(table.schema),
         "preview": dg.MetadataValue.md(_preview(table)),
+    }
+
+
+def _metadata_values(metadata: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: dg.MetadataValue.md(v) if isinstance(v, Markdown) else v for k, v in metadata.items()
     }
 
 
@@ -122,6 +129,12 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         description=description,
         # Selecting one output of a stage (e.g. only seed_problems) writes just that one.
         can_subset=True,
+        check_specs=[
+            dg.AssetCheckSpec(
+                c.name, asset=decl.key, description=c.description, blocking=c.blocking
+            )
+            for c in stage_cls.checks
+        ],
     )
     def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
         tables = {k: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
@@ -130,19 +143,37 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
+            cache_path=settings.data_dir() / "cache" / f"{decl.key}.sqlite",
         )
         try:
             result = asset.stage().run(ctx, tables)
         except StageInputError as err:
             raise dg.Failure(description=f"{decl.key}: {err}", allow_retries=False) from err
+        finally:
+            ctx.close()
+        result.metadata.update(ctx.cache_metadata())
         produced = {decl.key: result.table}
         produced.update({key: result.secondary.get(name) for name, key in decl.outputs.items()})
         for key, table in produced.items():
             table = _check_schema(key, table, schemas[key])
             if dg.AssetKey(key) not in context.selected_asset_keys:
                 continue
-            extra = result.metadata if key == decl.key else {}
+            extra = _metadata_values(result.metadata) if key == decl.key else {}
             yield dg.Output(table, output_name=key, metadata={**table_metadata(table), **extra})
+        outcomes = {o.name: o for o in result.checks}
+        for spec in stage_cls.checks:
+            check_key = dg.AssetCheckKey(dg.AssetKey(decl.key), spec.name)
+            if check_key not in context.selected_asset_check_keys:
+                continue
+            if spec.name not in outcomes:
+                raise RuntimeError(f"stage {decl.stage} did not report its check {spec.name!r}")
+            outcome = outcomes[spec.name]
+            yield dg.AssetCheckResult(
+                asset_key=decl.key,
+                check_name=spec.name,
+                passed=outcome.passed,
+                metadata=_metadata_values(outcome.metadata),
+            )
 
     return compute
 

@@ -47,6 +47,9 @@ class PipelineFile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     version: Literal[1] = 1
+    # Model roles (synthesizer, solver, ...) -> a model id for the llm resource's backend;
+    # null means the resource's default (RSTAR_LLM_MODEL, else the embedded model).
+    models: dict[str, str | None] = {}
     assets: list[AssetDecl]
 
 
@@ -59,11 +62,13 @@ class DeclaredAsset:
         stage_cls: type[Stage],
         params: BaseModel,
         prompts: dict[str, PromptTemplate],
+        model: str | None = None,
     ):
         self.decl = decl
         self.stage_cls = stage_cls
         self.params = params
         self.prompts = prompts
+        self.model = model
 
     @property
     def key(self) -> str:
@@ -77,16 +82,17 @@ class DeclaredAsset:
         return [self.decl.key, *self.decl.outputs.values()]
 
     def stage(self) -> Stage:
-        return self.stage_cls(self.params, self.prompts)
+        return self.stage_cls(self.params, self.prompts, self.model)
 
     @property
     def code_version(self) -> str:
         """Changes whenever what the asset computes may change: the stage kind and its
-        version, the declared parameters, and the text of each prompt template."""
+        version, the declared parameters and model, and the text of each prompt template."""
         basis = {
             "stage": self.decl.stage,
             "stage_version": self.stage_cls.version,
             "params": self.params.model_dump(mode="json"),
+            "model": self.model,
             "prompts": {role: t.sha256 for role, t in sorted(self.prompts.items())},
         }
         blob = json.dumps(basis, sort_keys=True).encode("utf-8")
@@ -213,7 +219,19 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
                     f"prompts.{role}",
                     f"template {name!r} not found in {prompts_dir}",
                 ) from None
-        declared.append(DeclaredAsset(decl, stage_cls, params, prompts))
+        model = None
+        role = getattr(params, "model", None)
+        if role is not None:
+            if role not in parsed.models:
+                raise _fail(
+                    path,
+                    decl.key,
+                    "params.model",
+                    f"unknown model role {role!r}; the models section declares "
+                    f"{sorted(parsed.models)}",
+                )
+            model = parsed.models[role]
+        declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model))
 
     for asset in declared:
         for up in asset.decl.upstream:

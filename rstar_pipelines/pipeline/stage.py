@@ -10,10 +10,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
+
+from rstar_pipelines.pipeline.item_cache import ItemCache
+
+
+class Markdown(str):
+    """Metadata text to render as Markdown in the UI (tables, inlined plots)."""
 
 
 class StageInputError(ValueError):
@@ -39,6 +46,29 @@ class StageContext:
     log: logging.Logger
     resources: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None
+    cache_path: Path | None = None
+    _cache: ItemCache | None = field(default=None, init=False, repr=False)
+
+    @property
+    def cache(self) -> ItemCache:
+        """The asset's item cache, opened on first use (stages that cache nothing
+        leave no file behind)."""
+        if self._cache is None:
+            if self.cache_path is None:
+                raise RuntimeError("this stage context has no item cache")
+            self._cache = ItemCache(self.cache_path)
+        return self._cache
+
+    def cache_metadata(self) -> dict[str, Any]:
+        """How much of the work came from the item cache (nothing if it was not used)."""
+        if self._cache is None:
+            return {}
+        c = self._cache
+        return {"cache_hits": c.hits, "cache_misses": c.misses, "cache_hit_rate": c.hit_rate}
+
+    def close(self) -> None:
+        if self._cache is not None:
+            self._cache.close()
 
     def resource(self, name: str) -> Any:
         try:
@@ -47,14 +77,33 @@ class StageContext:
             raise KeyError(f"stage needs resource {name!r}, which was not provided") from None
 
 
+@dataclass(frozen=True)
+class CheckSpec:
+    """A data-quality check the stage evaluates on what it produced. A failed blocking
+    check stops the run's downstream steps (the asset itself is still recorded)."""
+
+    name: str
+    description: str
+    blocking: bool = True
+
+
+@dataclass(frozen=True)
+class CheckOutcome:
+    name: str
+    passed: bool
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 @dataclass
 class StageResult:
     """The tables a stage produced: `table` for the asset itself, `secondary` for the
-    extra outputs it declares, and metadata shown on the asset's materialization."""
+    extra outputs it declares, metadata shown on the asset's materialization, and the
+    outcome of each declared check."""
 
     table: pa.Table
     secondary: dict[str, pa.Table] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    checks: list[CheckOutcome] = field(default_factory=list)
 
 
 class Stage:
@@ -68,8 +117,13 @@ class Stage:
       prompt_roles       prompt template roles the stage renders (mapped to files by
                          `prompts:` in pipeline.yaml)
       resources          Dagster resource keys it needs
+      checks             the checks its run reports on (CheckSpec)
       kinds              tags shown as icons in the Dagster UI
       version            bump when a change to the code changes what it produces
+
+    A stage whose params have a `model` field names a role of the pipeline's
+    `models:` section; it receives the model that role resolves to as `self.model`
+    (None: the llm resource's default).
     """
 
     Params: ClassVar[type[BaseModel]] = NoParams
@@ -77,12 +131,22 @@ class Stage:
     secondary_outputs: ClassVar[dict[str, pa.Schema]] = {}
     prompt_roles: ClassVar[tuple[str, ...]] = ()
     resources: ClassVar[tuple[str, ...]] = ()
+    checks: ClassVar[tuple[CheckSpec, ...]] = ()
     kinds: ClassVar[frozenset[str]] = frozenset({"python"})
     version: ClassVar[str] = "1"
 
-    def __init__(self, params: BaseModel, prompts: dict[str, Any] | None = None):
+    def __init__(
+        self, params: BaseModel, prompts: dict[str, Any] | None = None, model: str | None = None
+    ):
         self.params = params
         self.prompts = prompts or {}
+        self.model = model
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         raise NotImplementedError
+
+
+def rows_of(table: pa.Table, domain: str | None = None) -> list[dict[str, Any]]:
+    """A table's rows as dicts, optionally only those of one domain."""
+    rows = table.to_pylist()
+    return rows if domain is None else [r for r in rows if r["domain"] == domain]

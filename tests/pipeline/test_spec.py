@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -97,7 +98,7 @@ def test_unparsable_yaml_and_missing_file(tmp_path):
         load_pipeline(tmp_path / "missing.yaml", STAGES, settings.prompts_dir())
 
 
-def test_code_version_follows_params_and_prompts(tmp_path, monkeypatch):
+def test_code_version_follows_params_prompts_and_models(tmp_path):
     base = _load(tmp_path, GOOD)
     same = _load(tmp_path, GOOD)
     assert base.by_key["seed_problems"].code_version == same.by_key["seed_problems"].code_version
@@ -106,19 +107,31 @@ def test_code_version_follows_params_and_prompts(tmp_path, monkeypatch):
     assert changed.by_key["seed_problems"].code_version != base.by_key["seed_problems"].code_version
     assert changed.by_key["seed_catalog"].code_version == base.by_key["seed_catalog"].code_version
 
-    # A prompt template's text is part of the version of every asset that uses it.
-    class Prompted(STAGES["SeedCatalog"]):
-        prompt_roles = ("system",)
-
-    monkeypatch.setitem(STAGES, "Prompted", Prompted)
+    # A prompt template's text is part of the version of the assets that use it.
     prompts = tmp_path / "prompts"
-    prompts.mkdir()
-    (prompts / "sys.jinja").write_text("You are {{ role }}.")
-    doc = _edit("seed_catalog", stage="Prompted", prompts={"system": "sys.jinja"})
-    v1 = _load(tmp_path, doc, prompts).by_key["seed_catalog"]
-    assert v1.prompts["system"].render(role="a solver") == "You are a solver."
-    (prompts / "sys.jinja").write_text("You are {{ role }}!")
-    v2 = _load(tmp_path, doc, prompts).by_key["seed_catalog"]
-    assert v1.code_version != v2.code_version
-    with pytest.raises(ValueError, match="sys.jinja: 'role' is undefined"):
-        v2.prompts["system"].render()
+    shutil.copytree(settings.prompts_dir(), prompts)
+    v1 = _load(tmp_path, GOOD, prompts).by_key
+    template = prompts / "solve_math.jinja"
+    template.write_text(template.read_text() + "\nBe brief.\n")
+    v2 = _load(tmp_path, GOOD, prompts).by_key
+    assert v1["candidate_solutions"].code_version != v2["candidate_solutions"].code_version
+    assert v1["synthesized_problems"].code_version == v2["synthesized_problems"].code_version
+    assert "Be brief." in v2["candidate_solutions"].prompts["math"].render(problem="1+1?")
+    with pytest.raises(ValueError, match="solve_math.jinja: 'problem' is undefined"):
+        v2["candidate_solutions"].prompts["math"].render()
+
+    # So is the model a role resolves to.
+    doc = yaml.safe_load(yaml.safe_dump(GOOD))
+    doc["models"]["solver"] = "Qwen/Qwen2.5-Math-7B-Instruct"
+    v3, v0 = _load(tmp_path, doc).by_key, base.by_key
+    assert v3["candidate_solutions"].model == "Qwen/Qwen2.5-Math-7B-Instruct"
+    assert v3["candidate_solutions"].code_version != v0["candidate_solutions"].code_version
+    assert v3["synthesized_problems"].code_version == v0["synthesized_problems"].code_version
+
+
+def test_unknown_model_role(tmp_path):
+    doc = _edit("candidate_solutions", params={"model": "oracle"})
+    with pytest.raises(
+        PipelineSpecError, match="field 'params.model': unknown model role 'oracle'"
+    ):
+        _load(tmp_path, doc)

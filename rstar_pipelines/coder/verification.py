@@ -1,0 +1,226 @@
+"""Output labeling by mutual verification (rStar-Coder, spec §5.4).
+
+Every candidate solution of a problem runs on every test input. Candidates that ran
+cleanly on all inputs and printed the same (normalized) outputs form a group; if the
+largest group holds at least `threshold` of all candidates, its outputs become the
+labels. A seed problem's oracle solution, when given, supplies the labels instead.
+
+    mv = mutual_verify(candidates, inputs, sandbox, threshold=0.6)
+    if mv.verified:
+        labels, correct = mv.labels, mv.agreeing
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rstar_sandbox import OK, Job, Result, Sandbox
+
+__all__ = [
+    "UNPARSABLE",
+    "CandidateVerdict",
+    "MutualVerification",
+    "VerificationTask",
+    "check_determinism",
+    "mutual_verify",
+    "mutual_verify_many",
+    "normalize_output",
+]
+
+UNPARSABLE = "unparsable"
+
+
+def normalize_output(text: str) -> str:
+    """The output as rStar-Coder compares it: no trailing whitespace on any line and no
+    trailing blank lines; leading spaces and inner blank lines still count."""
+    lines = [line.rstrip() for line in text.split("\n")]
+    while lines and not lines[-1]:
+        lines.pop()
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CandidateVerdict:
+    """How one program fared: `status` is "ok" when every run was, else the status of
+    the first failing input (`failed_input`), or "unparsable" when there was no code."""
+
+    index: int
+    agrees: bool
+    status: str
+    failed_input: int | None
+    wall_s: float
+    cpu_s: float
+    peak_memory_mb: float
+
+
+@dataclass(frozen=True)
+class MutualVerification:
+    verified: bool
+    labels: list[str] | None
+    agreeing: list[int]
+    agreement: float
+    reason: str | None
+    label_source: str  # "majority" or "oracle"
+    verdicts: list[CandidateVerdict]
+
+
+@dataclass(frozen=True)
+class VerificationTask:
+    """One problem: its candidate programs (None where no code could be extracted), its
+    test inputs, an optional oracle, and an optional time limit overriding the default."""
+
+    candidates: Sequence[str | None]
+    inputs: Sequence[str]
+    oracle: str | None = None
+    timeout_s: float | None = None
+
+
+def mutual_verify(
+    candidates: Sequence[str | None],
+    inputs: Sequence[str],
+    sandbox: Sandbox,
+    threshold: float = 0.6,
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+    oracle: str | None = None,
+) -> MutualVerification:
+    [verification] = mutual_verify_many(
+        [VerificationTask(candidates, inputs, oracle)], sandbox, threshold, timeout_s, memory_mb
+    )
+    return verification
+
+
+def mutual_verify_many(
+    tasks: Sequence[VerificationTask],
+    sandbox: Sandbox,
+    threshold: float = 0.6,
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+) -> list[MutualVerification]:
+    """Verify many problems with one `sandbox.run` call, so the workers never wait
+    between one problem's jobs and the next's."""
+    jobs: list[Job] = []
+    starts: list[list[int | None]] = []  # per task and program: its first job, if it runs
+    for task in tasks:
+        limit = task.timeout_s or timeout_s
+        task_starts: list[int | None] = []
+        for program in [*task.candidates, task.oracle]:
+            if _parsable(program):
+                task_starts.append(len(jobs))
+                jobs.extend(
+                    Job(code=program, stdin=stdin, timeout_s=limit, memory_mb=memory_mb)
+                    for stdin in task.inputs
+                )
+            else:
+                task_starts.append(None)
+        starts.append(task_starts)
+    results = sandbox.run(jobs)
+    decided = []
+    for task, task_starts in zip(tasks, starts, strict=True):
+        runs = [None if s is None else results[s : s + len(task.inputs)] for s in task_starts]
+        decided.append(_decide(task, runs[:-1], runs[-1], threshold))
+    return decided
+
+
+def check_determinism(
+    program: str,
+    inputs: Sequence[str],
+    labels: Sequence[str],
+    sandbox: Sandbox,
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+) -> list[int]:
+    """Re-run `program`; the indices of the inputs whose output no longer matches its
+    label or whose run failed. Agreeing candidates can share a nondeterministic output
+    (a clock, a random seed) when they run at the same moment; a later re-run exposes it."""
+    results = sandbox.run(
+        [Job(code=program, stdin=s, timeout_s=timeout_s, memory_mb=memory_mb) for s in inputs]
+    )
+    return [
+        i
+        for i, (result, label) in enumerate(zip(results, labels, strict=True))
+        if not result.ok or normalize_output(result.stdout) != normalize_output(label)
+    ]
+
+
+def _parsable(program: str | None) -> bool:
+    return bool(program and program.strip())
+
+
+def _first_failure(runs: Sequence[Result]) -> int | None:
+    return next((i for i, r in enumerate(runs) if not r.ok), None)
+
+
+def _verdict(index: int, runs: Sequence[Result] | None, agrees: bool) -> CandidateVerdict:
+    if runs is None:
+        return CandidateVerdict(index, False, UNPARSABLE, None, 0.0, 0.0, 0.0)
+    failed = _first_failure(runs)
+    return CandidateVerdict(
+        index,
+        agrees,
+        OK if failed is None else runs[failed].status,
+        failed,
+        sum(r.wall_s for r in runs),
+        sum(r.cpu_s for r in runs),
+        max((r.peak_memory_mb for r in runs), default=0.0),
+    )
+
+
+def _signature(runs: Sequence[Result] | None) -> tuple[str, ...] | None:
+    """What a candidate printed on every input; None if it cannot agree with anyone."""
+    if runs is None or _first_failure(runs) is not None:
+        return None
+    return tuple(normalize_output(r.stdout) for r in runs)
+
+
+def _decide(
+    task: VerificationTask,
+    candidate_runs: list[Sequence[Result] | None],
+    oracle_runs: Sequence[Result] | None,
+    threshold: float,
+) -> MutualVerification:
+    n = len(candidate_runs)
+    signatures = [_signature(runs) for runs in candidate_runs]
+    groups: dict[tuple[str, ...], list[int]] = {}
+    for index, signature in enumerate(signatures):
+        if signature is not None:
+            groups.setdefault(signature, []).append(index)
+    source = "majority" if task.oracle is None else "oracle"
+
+    reason = None
+    labels: tuple[str, ...] | None = None
+    agreeing: list[int] = []
+    agreement = 0.0
+    if not task.inputs:
+        reason = "no test inputs"
+    elif task.oracle is not None:
+        failed = None if oracle_runs is None else _first_failure(oracle_runs)
+        if oracle_runs is None:
+            reason = "the oracle has no code"
+        elif failed is not None:
+            reason = f"oracle failed on input {failed}: {oracle_runs[failed].status}"
+        else:
+            labels = _signature(oracle_runs)
+            agreeing = groups.get(labels, [])
+            agreement = len(agreeing) / n if n else 0.0
+    elif not groups:
+        reason = "no candidates" if n == 0 else "no candidate ran cleanly on every input"
+    else:
+        # dicts keep insertion order, so on a tie max() keeps the group seen first: the
+        # one holding the lowest candidate index
+        signature, members = max(groups.items(), key=lambda item: len(item[1]))
+        agreement = len(members) / n
+        if agreement >= threshold:
+            labels, agreeing = signature, members
+        else:
+            reason = f"best agreement {agreement:.2f} < {threshold:.2f}"
+    return MutualVerification(
+        verified=labels is not None,
+        labels=None if labels is None else list(labels),
+        agreeing=agreeing,
+        agreement=agreement,
+        reason=reason,
+        label_source=source,
+        verdicts=[_verdict(i, runs, i in agreeing) for i, runs in enumerate(candidate_runs)],
+    )
