@@ -13,8 +13,8 @@ class SandboxResource(dg.ConfigurableResource):
     (assets that run no code start no containers) and stops when the step ends.
 
     Unset fields fall back to RSTAR_SANDBOX_BACKEND (default "auto": Docker when an
-    engine answers, else the process backend) and RSTAR_SANDBOX_WORKERS (default: the
-    number of CPUs)."""
+    engine answers and the sandbox image is built, else the process backend) and
+    RSTAR_SANDBOX_WORKERS (default: the number of CPUs)."""
 
     backend: str | None = None
     workers: int | None = None

@@ -40,9 +40,12 @@ def math500() -> Path:
     return path
 
 
+# The `dagster` command of this environment.
+DAGSTER = os.path.join(os.path.dirname(sys.executable), "dagster")
+
+
 def dagster_cli(*args: str) -> subprocess.CompletedProcess:
-    """The `dagster` command of this environment, run from the repository root."""
-    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
+    """Run `dagster` from the repository root."""
     return subprocess.run(
-        [dagster, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
+        [DAGSTER, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
     )

@@ -58,6 +58,25 @@ def docker_available() -> bool:
         return False
 
 
+def _auto_backend(image: str | None) -> str:
+    """Docker when an engine answers and the image is there, else the process backend."""
+    if not docker_available():
+        return "process"
+    from rstar_sandbox.image import default_image
+
+    image = image or default_image()
+    try:
+        docker_client().images.get(image)
+    except Exception:  # ImageNotFound, or the engine stopped answering
+        log.warning(
+            "rstar_sandbox: a Docker engine answers but image %s is not built "
+            "(`rstar sandbox build-image`); using the process backend",
+            image,
+        )
+        return "process"
+    return "docker"
+
+
 class Sandbox:
     """Run untrusted Python programs in a pool of warm, locked-down workers.
 
@@ -81,7 +100,7 @@ class Sandbox:
         start_timeout_s: float = 60.0,
     ):
         if backend == "auto":
-            backend = "docker" if docker_available() else "process"
+            backend = _auto_backend(image)
         if backend not in ("docker", "process"):
             raise ValueError(f"unknown sandbox backend {backend!r}: use docker, process or auto")
         self.backend = backend

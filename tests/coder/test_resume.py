@@ -7,13 +7,12 @@ import shutil
 import signal
 import sqlite3
 import subprocess
-import sys
 import time
 
 import dagster as dg
 import yaml
 
-from tests.conftest import REPO
+from tests.conftest import DAGSTER, REPO
 
 MATH = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 4), (10, 7), (6, 9), (12, 30), (8, 1)]]
 
@@ -34,9 +33,8 @@ def _pipeline_copy(tmp_path):
 
 
 def _materialize_command(selection: str) -> list[str]:
-    dagster = os.path.join(os.path.dirname(sys.executable), "dagster")
     return [
-        dagster,
+        DAGSTER,
         "asset",
         "materialize",
         "--select",

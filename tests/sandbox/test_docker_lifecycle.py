@@ -83,3 +83,8 @@ def test_containers_of_a_killed_pool_are_removed_by_the_next_one():
     assert len(_containers_of(proc.pid)) == 2
     with Sandbox(backend="docker", workers=1):
         assert _containers_of(proc.pid) == []
+
+
+def test_auto_picks_docker_only_when_the_image_is_built():
+    assert Sandbox(backend="auto").backend == "docker"
+    assert Sandbox(backend="auto", image="rstar-sandbox:never-built").backend == "process"
