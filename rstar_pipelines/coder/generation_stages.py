@@ -152,7 +152,6 @@ class TestInputGeneration(Stage):
         prompts = [self.prompts["program"].render(problem=p["problem"]) for p in problems]
         sampling = self.params.sampling.model_copy(update={"n": 1})
         completions = llm.complete(prompts, sampling, ctx.cache, self.params.chunk)
-        sandbox = ctx.resource("sandbox").get()
         p = self.params
 
         def key(item: tuple[dict, str]) -> str:
@@ -181,7 +180,7 @@ class TestInputGeneration(Stage):
                     continue
                 gen = generate_inputs(
                     program,
-                    sandbox,
+                    ctx.resource("sandbox").get(),  # started only when an item is not cached
                     examples=examples,
                     target=p.target,
                     timeout_s=p.timeout_s,

@@ -129,14 +129,17 @@ class MutualVerification(Stage):
             )
             for prob in problems
         ]
-        sandbox = ctx.resource("sandbox").get() if tasks else None
 
         def key(task: VerificationTask) -> str:
             return fingerprint("verify", asdict(task), p.threshold, p.timeout_s, p.memory_mb)
 
         def compute(batch: list[VerificationTask]) -> list[dict]:
             results = mutual_verify_many(
-                batch, sandbox, threshold=p.threshold, timeout_s=p.timeout_s, memory_mb=p.memory_mb
+                batch,
+                ctx.resource("sandbox").get(),  # started only when an item is not cached
+                threshold=p.threshold,
+                timeout_s=p.timeout_s,
+                memory_mb=p.memory_mb,
             )
             return [asdict(r) for r in results]
 
