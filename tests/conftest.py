@@ -49,3 +49,9 @@ def dagster_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [DAGSTER, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
     )
+
+
+def host_processes_matching(marker: str) -> list[str]:
+    """Command lines of the host's processes that contain `marker`."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]

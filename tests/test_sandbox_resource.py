@@ -1,8 +1,7 @@
-import subprocess
-
 import dagster as dg
 
 from rstar_pipelines.sandbox_resource import SandboxResource
+from tests.conftest import host_processes_matching
 
 
 @dg.asset
@@ -19,5 +18,4 @@ def test_sandbox_resource_runs_jobs_in_an_asset_and_stops_after(monkeypatch):
     [event] = result.get_asset_materialization_events()
     assert event.materialization.metadata["outputs"].value == ["3", "7"]
     # The pool was stopped when the step ended: no server process is left.
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    assert "rstar_sandbox/server.py" not in ps
+    assert host_processes_matching("rstar_sandbox/server.py") == []

@@ -2,7 +2,6 @@
 
 import os
 import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -17,12 +16,9 @@ from rstar_sandbox import (
     Sandbox,
 )
 
+from tests.conftest import host_processes_matching
+
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
-
-
-def _host_processes_matching(marker: str) -> list[str]:
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
 def test_ordinary_outcomes(sandbox):
@@ -57,7 +53,7 @@ def test_infinite_loop_times_out_and_leaves_nothing(sandbox):
     [result] = sandbox.run([Job(code=code, timeout_s=1.0)])
     assert result.status == TIMEOUT
     assert time.monotonic() - started < 1.0 + 1.0
-    assert _host_processes_matching(marker) == []
+    assert host_processes_matching(marker) == []
 
 
 def test_orphaned_grandchild_in_its_own_session_is_killed(sandbox):
@@ -71,7 +67,7 @@ def test_orphaned_grandchild_in_its_own_session_is_killed(sandbox):
     )
     [result] = sandbox.run([Job(code=code, timeout_s=5.0)])
     assert result.status == OK and result.stdout == "parent exits at once\n"
-    assert _host_processes_matching(marker) == []
+    assert host_processes_matching(marker) == []
 
 
 def test_fork_bomb_is_contained_and_the_pool_keeps_serving(sandbox):
