@@ -8,8 +8,14 @@ from rstar_pipelines.pipeline.spec import PipelineSpec
 
 
 def aggregates_schedule(spec: PipelineSpec) -> dg.ScheduleDefinition | None:
-    """Daily refresh of the unpartitioned aggregates (all seed batches together)."""
-    keys = [key for asset in spec.assets if not asset.partitioned for key in asset.output_keys()]
+    """Daily refresh of the cheap unpartitioned aggregates (all seed batches together).
+    Assets in a pool (generation, training) are left to their automation and to users."""
+    keys = [
+        key
+        for asset in spec.assets
+        if not asset.partitioned and asset.decl.pool is None
+        for key in asset.output_keys()
+    ]
     if not keys:
         return None
     return dg.ScheduleDefinition(

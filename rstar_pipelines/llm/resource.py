@@ -43,6 +43,10 @@ class LLMResource(dg.ConfigurableResource):
         backend, resolved = self._resolve(model)
         return f"{backend}:{resolved or 'server-default'}"
 
+    def model_name(self, model: str | None = None) -> str | None:
+        """The model `model` resolves to (a role's model, else the resource's default)."""
+        return self._resolve(model)[1]
+
     def get_llm(self, model: str | None = None) -> LLM:
         """The LLM for `model` (a role may use another model than the default), built once."""
         key = self._resolve(model)

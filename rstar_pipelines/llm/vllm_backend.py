@@ -36,6 +36,9 @@ class VllmLLM:
             max_tokens=params.max_tokens,
             stop=list(params.stop),
             seed=params.seed,
+            # Keep special tokens in the text, as the transformers backend does: a trained
+            # rStar-Math policy writes its step tags (<end_of_step>, ...) as special tokens.
+            skip_special_tokens=False,
         )
         outputs = self._engine.generate(
             [self._prompt(p) for p in prompts], sampling, use_tqdm=False

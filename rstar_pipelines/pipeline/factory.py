@@ -83,7 +83,9 @@ def _combine(value: Any, schema: pa.Schema) -> pa.Table:
     """An unpartitioned asset reading a partitioned one gets {partition: table}: one table."""
     if isinstance(value, pa.Table):
         return value
-    tables = [t for _, t in sorted(value.items())]
+    if value is None:  # no upstream partition materialized yet
+        return schema.empty_table()
+    tables = [t for _, t in sorted(value.items()) if t is not None]
     if not tables:
         return schema.empty_table()
     return pa.concat_tables(tables, promote_options="permissive")
@@ -137,13 +139,16 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         ],
     )
     def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
-        tables = {k: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
+        tables = {asset.input_names[k]: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
         ctx = StageContext(
             partition_key=context.partition_key if context.has_partition_key else None,
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
             cache_path=settings.data_dir() / "cache" / f"{decl.key}.sqlite",
+            launcher=lambda command: dg.PipesSubprocessClient().run(
+                context=context, command=command
+            ),
         )
         try:
             result = asset.stage().run(ctx, tables)

@@ -44,3 +44,17 @@ def histogram(
     ax.set_xlabel(xlabel)
     ax.set_ylabel("problems")
     return _png_markdown(fig, title)
+
+
+def line_plot(values: Sequence[float], title: str, xlabel: str, ylabel: str) -> Markdown:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 2.6))
+    ax.plot(range(1, len(values) + 1), list(values), color="#4c72b0")
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    return _png_markdown(fig, title)

@@ -41,6 +41,14 @@ class AssetDecl(BaseModel):
     outputs: dict[str, str] = {}
     prompts: dict[str, str] = {}
     params: dict[str, Any] = {}
+    # Self-evolution: a per-round asset is declared once and repeated for every round of
+    # the file's `rounds`; round 1 keeps the key, round r >= 2 gets the suffix _r<r>.
+    # Its upstream per-round assets are those of the same round; `previous_round` names
+    # per-round assets it reads from round r-1 (from round 2 on); `later_rounds`
+    # overrides params from round 2 on. The stage receives `round` among its params.
+    per_round: bool = False
+    previous_round: list[str] = []
+    later_rounds: dict[str, Any] = {}
 
 
 class PipelineFile(BaseModel):
@@ -50,6 +58,7 @@ class PipelineFile(BaseModel):
     # Model roles (synthesizer, solver, ...) -> a model id for the llm resource's backend;
     # null means the resource's default (RSTAR_LLM_MODEL, else the embedded model).
     models: dict[str, str | None] = {}
+    rounds: int = Field(1, ge=1, description="self-evolution rounds of the per-round assets")
     assets: list[AssetDecl]
 
 
@@ -63,12 +72,16 @@ class DeclaredAsset:
         params: BaseModel,
         prompts: dict[str, PromptTemplate],
         model: str | None = None,
+        input_names: dict[str, str] | None = None,
     ):
         self.decl = decl
         self.stage_cls = stage_cls
         self.params = params
         self.prompts = prompts
         self.model = model
+        # upstream key -> the name the stage reads it by (a later round's assets read
+        # their own round's inputs by the round-1 key, the previous round's as previous_<key>)
+        self.input_names = input_names or {u: u for u in decl.upstream}
 
     @property
     def key(self) -> str:
@@ -139,6 +152,64 @@ def _loc(loc: tuple[Any, ...]) -> str:
     return ".".join(str(p) for p in loc)
 
 
+def round_key(key: str, round_: int) -> str:
+    return key if round_ == 1 else f"{key}_r{round_}"
+
+
+def _merged(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` on top of `base`, nested mappings merged key by key."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            value = _merged(merged[key], value)
+        merged[key] = value
+    return merged
+
+
+def _expand_rounds(path: Path, parsed: PipelineFile) -> list[tuple[AssetDecl, dict[str, str]]]:
+    """Every declared asset once per round it belongs to, with its input names."""
+    per_round = {
+        key: decl.key
+        for decl in parsed.assets
+        if decl.per_round
+        for key in [decl.key, *decl.outputs.values()]
+    }
+    expanded = []
+    for decl in parsed.assets:
+        if not decl.per_round:
+            if decl.previous_round or decl.later_rounds:
+                raise _fail(
+                    path,
+                    decl.key,
+                    "previous_round" if decl.previous_round else "later_rounds",
+                    "only a per_round asset has rounds",
+                )
+            expanded.append((decl, {u: u for u in decl.upstream}))
+            continue
+        for key in decl.previous_round:
+            if key not in per_round:
+                raise _fail(path, decl.key, "previous_round", f"{key!r} is not a per_round asset")
+        for r in range(1, parsed.rounds + 1):
+            inputs = {round_key(u, r) if u in per_round else u: u for u in decl.upstream}
+            if r > 1:
+                inputs.update({round_key(k, r - 1): f"previous_{k}" for k in decl.previous_round})
+            params = {**_merged(decl.params, decl.later_rounds if r > 1 else {}), "round": r}
+            expanded.append(
+                (
+                    decl.model_copy(
+                        update={
+                            "key": round_key(decl.key, r),
+                            "outputs": {n: round_key(k, r) for n, k in decl.outputs.items()},
+                            "upstream": list(inputs),
+                            "params": params,
+                        }
+                    ),
+                    inputs,
+                )
+            )
+    return expanded
+
+
 def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path) -> PipelineSpec:
     """Parse, validate and resolve a pipeline file against the known stage kinds."""
     try:
@@ -165,7 +236,7 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
 
     produced: dict[str, str] = {}
     declared: list[DeclaredAsset] = []
-    for decl in parsed.assets:
+    for decl, input_names in _expand_rounds(path, parsed):
         stage_cls = stages.get(decl.stage)
         if stage_cls is None:
             raise _fail(
@@ -231,7 +302,7 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
                     f"{sorted(parsed.models)}",
                 )
             model = parsed.models[role]
-        declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model))
+        declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model, input_names))
 
     for asset in declared:
         for up in asset.decl.upstream:

@@ -9,6 +9,8 @@ tables. It knows nothing of Dagster: the asset factory adapts it, and tests can 
 from __future__ import annotations
 
 import logging
+import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -47,6 +49,9 @@ class StageContext:
     resources: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None
     cache_path: Path | None = None
+    # Runs a command out of this process; the asset factory sets one that goes through
+    # Dagster Pipes (the run's logs show its messages, cancelling the run stops it).
+    launcher: Callable[[list[str]], None] | None = None
     _cache: ItemCache | None = field(default=None, init=False, repr=False)
 
     @property
@@ -65,6 +70,14 @@ class StageContext:
             return {}
         c = self._cache
         return {"cache_hits": c.hits, "cache_misses": c.misses, "cache_hit_rate": c.hit_rate}
+
+    def run_process(self, command: list[str]) -> None:
+        """Run heavy work (training) in its own process, so that a crash or an
+        out-of-memory kill there fails this stage instead of taking the run down."""
+        if self.launcher is not None:
+            self.launcher(command)
+        else:
+            subprocess.run(command, check=True)
 
     def close(self) -> None:
         if self._cache is not None:

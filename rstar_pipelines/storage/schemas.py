@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from rstar_pipelines.math.tree import NODE
+
 EXAMPLE = pa.struct([("stdin", pa.string()), ("stdout", pa.string())])
 
 SEED_PROBLEMS = pa.schema(
@@ -160,5 +162,109 @@ VERIFIED_SOLUTIONS = pa.schema(
         ("label_source", pa.string()),
         ("cpu_s", pa.float64()),
         ("model", pa.string()),
+    ]
+)
+
+# -- rStar-Math: search, preference pairs, SFT data, checkpoints ------------------------
+
+MCTS_NODES = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("question", pa.string()),
+        ("gold_answer", pa.string()),
+        *[(f.name, f.type) for f in NODE],
+        ("model", pa.string()),
+    ]
+)
+
+MCTS_TRAJECTORIES = pa.schema(
+    [
+        ("id", pa.string()),
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("leaf_id", pa.string()),
+        ("steps", pa.list_(pa.string())),
+        ("q_values", pa.list_(pa.float64())),
+        ("final_answer", pa.string()),
+        ("correct", pa.bool_()),
+        ("mean_q", pa.float64()),
+        ("min_q", pa.float64()),
+        ("model", pa.string()),
+    ]
+)
+
+# TRL's reward-model layout (prompt, chosen, rejected, margin) plus where each pair came from.
+PPM_PAIRS = pa.schema(
+    [
+        ("id", pa.string()),
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("kind", pa.string()),  # "step" or "final"
+        ("node_id", pa.string()),
+        ("prompt", pa.string()),
+        ("chosen", pa.string()),
+        ("rejected", pa.string()),
+        ("margin", pa.float64()),
+        ("chosen_step", pa.string()),
+        ("rejected_step", pa.string()),
+        ("chosen_q", pa.float64()),
+        ("rejected_q", pa.float64()),
+        ("pos_count", pa.int64()),
+        ("neg_count", pa.int64()),
+        ("edit_distance", pa.int64()),
+    ]
+)
+
+SFT_DATASET = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),  # "mcts" or "verified_solutions"
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("domain", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+        ("mean_q", pa.float64()),
+        ("min_q", pa.float64()),
+    ]
+)
+
+CHECKPOINT = pa.schema(
+    [
+        ("id", pa.string()),
+        ("job", pa.string()),  # "ppm" or "sft"
+        ("round", pa.int64()),
+        ("path", pa.string()),
+        ("base_model", pa.string()),
+        ("examples", pa.int64()),
+        ("heldout_examples", pa.int64()),
+        ("steps", pa.int64()),
+        ("final_loss", pa.float64()),
+        ("heldout_accuracy", pa.float64()),
+        ("train_accuracy_before", pa.float64()),
+        ("train_accuracy_after", pa.float64()),
+        ("seconds", pa.float64()),
+        ("run_id", pa.string()),
+    ]
+)
+
+MCTS_EVAL = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("gold_answer", pa.string()),
+        ("greedy_answer", pa.string()),
+        ("best_q_answer", pa.string()),
+        ("majority_answer", pa.string()),
+        ("greedy_correct", pa.bool_()),
+        ("best_q_correct", pa.bool_()),
+        ("majority_correct", pa.bool_()),
+        ("search_nodes", pa.int64()),
+        ("policy", pa.string()),
     ]
 )

@@ -135,3 +135,43 @@ def test_unknown_model_role(tmp_path):
         PipelineSpecError, match="field 'params.model': unknown model role 'oracle'"
     ):
         _load(tmp_path, doc)
+
+
+def _rounds(rounds: int, **mcts_changes):
+    doc = _edit("mcts_trajectories", **mcts_changes)
+    doc["rounds"] = rounds
+    return doc
+
+
+def test_rounds_repeat_the_per_round_assets(tmp_path):
+    spec = _load(tmp_path, _rounds(3))
+    keys = [a.key for a in spec.assets]
+    assert {"mcts_trajectories", "mcts_trajectories_r2", "mcts_trajectories_r3"} <= set(keys)
+    assert {"ppm_checkpoint_r3", "policy_checkpoint_r2", "sft_dataset_r3"} <= set(keys)
+    third = spec.by_key["mcts_trajectories_r3"]
+    assert third.decl.outputs == {"nodes": "mcts_nodes_r3"}
+    # Its own round's upstream by the round-1 name, round 2's checkpoints as previous_*.
+    assert third.input_names == {
+        "verified_outputs": "verified_outputs",
+        "synthesized_problems": "synthesized_problems",
+        "policy_checkpoint_r2": "previous_policy_checkpoint",
+        "ppm_checkpoint_r2": "previous_ppm_checkpoint",
+    }
+    assert spec.by_key["ppm_pairs_r3"].input_names == {"mcts_nodes_r3": "mcts_nodes"}
+    # later_rounds overrides params from round 2 on, nested mappings key by key.
+    first, later = spec.by_key["mcts_trajectories"].params, third.params
+    assert (first.round, first.prompt, first.search.errors_threshold) == (1, "bootstrap", 2)
+    assert (later.round, later.prompt, later.search.errors_threshold) == (3, "policy", 1)
+    assert later.search.rollouts == first.search.rollouts
+    assert "<end_of_output>" not in later.search.stop
+    assert spec.by_key["mcts_trajectories"].code_version != third.code_version
+
+
+def test_bad_round_declarations(tmp_path):
+    with pytest.raises(PipelineSpecError, match="'mcts_trajectories': field 'previous_round'"):
+        _load(tmp_path, _rounds(2, previous_round=["verified_outputs"]))
+    doc = _edit("seed_catalog", later_rounds={"x": 1})
+    with pytest.raises(PipelineSpecError, match="'seed_catalog': field 'later_rounds'"):
+        _load(tmp_path, doc)
+    with pytest.raises(PipelineSpecError, match="field 'rounds'"):
+        _load(tmp_path, _rounds(0))

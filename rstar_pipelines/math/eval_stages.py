@@ -1,0 +1,100 @@
+"""mcts_eval: PPM-guided search against greedy decoding, on held-out problems."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pyarrow as pa
+from pydantic import Field
+
+from rstar_pipelines.math.answers import equivalent
+from rstar_pipelines.math.evaluation import best_q_answer, greedy_config, top_answers_vote
+from rstar_pipelines.math.search_stages import (
+    SearchModels,
+    SearchStageParams,
+    checkpoint_path,
+    is_heldout,
+    search_trees,
+    verified_math_problems,
+)
+from rstar_pipelines.pipeline.plots import markdown_table
+from rstar_pipelines.pipeline.stage import Stage, StageContext, StageResult
+from rstar_pipelines.storage import schemas
+
+
+class EvalParams(SearchStageParams):
+    prompt: Literal["bootstrap", "policy"] = "policy"
+    top_answers: int = Field(4, ge=1, description="highest-Q answers the vote is over")
+
+
+def _correct(answer: str | None, gold: str) -> bool:
+    return answer is not None and equivalent(answer, gold)
+
+
+class MCTSEvaluation(Stage):
+    """On the held-out split of verified math problems, this round's policy three ways:
+    greedy decoding, PPM-guided search answered by the best-Q leaf, and a majority vote
+    over the search's top answers."""
+
+    Params = EvalParams
+    schema = schemas.MCTS_EVAL
+    prompt_roles = ("bootstrap", "policy")
+    resources = ("llm", "sandbox")
+    kinds = frozenset({"python", "docker"})
+
+    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
+        p = self.params
+        problems = [
+            q for q in verified_math_problems(inputs) if is_heldout(q["id"], p.heldout_fraction)
+        ][: p.max_problems]
+        guided = SearchModels(
+            self,
+            ctx,
+            checkpoint_path(inputs, "policy_checkpoint"),
+            checkpoint_path(inputs, "ppm_checkpoint"),
+        )
+        plain = SearchModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
+        greedy, _ = search_trees(self, ctx, problems, plain, greedy_config(p.search))
+        searched, stats = search_trees(self, ctx, problems, guided, p.search)
+        rows = []
+        for problem, g, s in zip(problems, greedy, searched, strict=True):
+            answers = {
+                "greedy": best_q_answer(g),
+                "best_q": best_q_answer(s),
+                "majority": top_answers_vote(s, p.top_answers),
+            }
+            rows.append(
+                {
+                    "problem_id": problem["id"],
+                    "batch": problem["batch"],
+                    "round": p.round,
+                    "gold_answer": problem["answer"],
+                    **{f"{k}_answer": v for k, v in answers.items()},
+                    **{f"{k}_correct": _correct(v, problem["answer"]) for k, v in answers.items()},
+                    "search_nodes": s.nodes.num_rows,
+                    "policy": guided.policy_name,
+                }
+            )
+        n = len(rows)
+        accuracy = {
+            k: (sum(r[f"{k}_correct"] for r in rows) / n if n else 0.0)
+            for k in ("greedy", "best_q", "majority")
+        }
+        return StageResult(
+            table=pa.Table.from_pylist(rows, schema=self.schema),
+            metadata={
+                "problems": n,
+                "policy": guided.policy_name,
+                "ppm": guided.ppm_path or "none",
+                **{f"accuracy_{k}": v for k, v in accuracy.items()},
+                "comparison": markdown_table(
+                    ["method", "accuracy", "problems"],
+                    [
+                        ["greedy decoding", f"{accuracy['greedy']:.3f}", n],
+                        ["PPM-guided search, best Q", f"{accuracy['best_q']:.3f}", n],
+                        [f"majority of top {p.top_answers}", f"{accuracy['majority']:.3f}", n],
+                    ],
+                ),
+                **{f"search_{k}": v for k, v in stats.items()},
+            },
+        )

@@ -1,0 +1,41 @@
+"""Choosing a searched tree's final answer (spec §1.11) and the greedy baseline."""
+
+from __future__ import annotations
+
+from rstar_pipelines.math.answers import majority_answer
+from rstar_pipelines.math.mcts import MCTSConfig, Tree
+from rstar_pipelines.math.steps import ANSWER_END, CODE_END
+
+
+def ranked_answers(tree: Tree) -> list[str]:
+    """The final answers of the tree's answer leaves, highest Q first (ties in
+    generation order)."""
+    leaves = sorted((n for n in tree.answers() if n.final_answer), key=lambda n: n.q, reverse=True)
+    return [n.final_answer for n in leaves]
+
+
+def best_q_answer(tree: Tree) -> str | None:
+    """The answer of the leaf with the highest Q (the reference's `q_value` strategy)."""
+    ranked = ranked_answers(tree)
+    return ranked[0] if ranked else None
+
+
+def top_answers_vote(tree: Tree, top: int = 4) -> str | None:
+    """Majority vote, by answer equivalence, over the `top` highest-Q answers."""
+    return majority_answer(ranked_answers(tree)[:top], threshold=0.0).answer
+
+
+def greedy_config(search: MCTSConfig) -> MCTSConfig:
+    """Greedy decoding as the reference evaluates it, on the search engine: one
+    sample at temperature 0, the whole program in one step (it stops only at the end
+    of the code and of the answer), its output, then the answer."""
+    return search.model_copy(
+        update={
+            "rollouts": 1,
+            "width": 1,
+            "temperature": 0.0,
+            "stop": (CODE_END, ANSWER_END),
+            "max_depth": 2,
+            "max_tokens": search.max_tokens * 4,
+        }
+    )

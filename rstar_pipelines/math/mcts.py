@@ -1,0 +1,444 @@
+"""Monte-Carlo tree search over code-augmented chain-of-thought (rStar-Math, spec §1).
+
+A rollout starts at the root and walks down the best children by UCT; at a node not
+yet expanded it samples `width` next steps from the policy, runs their code, scores the
+new nodes with the PPM (when there is one), and walks on into the best new child. It
+ends when every child of the node it reached is terminal (that node becomes terminal).
+There is no random simulation phase. Answer terminals back ±1 up to the root; failure
+terminals take -1 on themselves only.
+
+Many trees are searched at once. Each tree is a generator that yields what it waits
+for (completions, program runs, PPM scores); the scheduler sends every pending request
+of a kind as one batch to the policy, the sandbox or the PPM, and resumes a tree as soon
+as its own answer is back: a tree is never held for the slowest one (unless
+`lockstep`, the reference's schedule, kept for comparison).
+
+    trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
+    trees[0].nodes  # the node table
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+from rstar_pipelines.llm.types import LLM, Completion, Prompt, SamplingParams
+from rstar_pipelines.math.answers import equivalent
+from rstar_pipelines.math.steps import (
+    ANSWER_END,
+    BOOTSTRAP_STOPS,
+    CODE_END,
+    NO_VALID_CHILD,
+    TOO_MANY_CODE_ERRORS,
+    TOO_MANY_STEPS,
+    ParsedStep,
+    assistant_text,
+    is_error,
+    observation_of,
+    parse_step,
+    program_of,
+    with_output,
+)
+from rstar_pipelines.math.tree import NODE, Node, descend
+
+
+class MCTSConfig(BaseModel):
+    """Search knobs; defaults are the paper's bootstrap round (spec §1.6, §4)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    rollouts: int = Field(8, ge=1)
+    width: int = Field(5, ge=1, description="steps sampled per expansion")
+    max_depth: int = Field(16, ge=1, description="a step at this depth must be the answer")
+    c: float = Field(2.0, ge=0, description="UCT exploration constant")
+    errors_threshold: int = Field(
+        2,
+        ge=1,
+        description="consecutive failed code steps that end a branch (2 bootstrap, 1 later)",
+    )
+    error_rule: Literal["substring", "status"] = Field(
+        "substring",
+        description="substring: the reference's test for 'error' in the output; "
+        "status: the run's exit status",
+    )
+    temperature: float = Field(0.7, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(2048, ge=1, description="per step")
+    stop: tuple[str, ...] = BOOTSTRAP_STOPS
+    seed: int | None = Field(None, ge=0)
+    exec_timeout_s: float = Field(30.0, gt=0)
+    exec_memory_mb: int = Field(512, gt=0)
+    lockstep: bool = Field(
+        False, description="one batch per phase for all trees, as the reference schedules"
+    )
+
+    def sampling(self, call: int) -> SamplingParams:
+        seed = None if self.seed is None else self.seed + call
+        return SamplingParams(
+            n=self.width,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_tokens=self.max_tokens,
+            stop=self.stop,
+            seed=seed,
+        )
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    question: str
+    answer: str
+
+
+class ValueModel(Protocol):
+    """A process preference model: one value in [-1, 1] per (partial) solution prompt."""
+
+    def score(self, prompts: Sequence[Prompt]) -> list[float]: ...
+
+
+class Sandbox(Protocol):
+    def run(self, jobs: Sequence[Any]) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class StepPrompt:
+    """How a tree's state becomes the policy's prompt. Raw: `prefix(question)` followed
+    by the steps so far (the bootstrap round's few-shot prompt). Chat: the user message
+    `prefix(question)` and an assistant turn to continue, the preamble and the steps so
+    far (a policy trained on our SFT data; the PPM scores the same prompt)."""
+
+    prefix: Callable[[str], str]
+    chat: bool = False
+
+    def build(self, question: str, steps: Sequence[str]) -> Prompt:
+        if self.chat:
+            return [
+                {"role": "user", "content": self.prefix(question)},
+                {"role": "assistant", "content": assistant_text(steps)},
+            ]
+        return self.prefix(question) + "".join(steps)
+
+
+DEFAULT_PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
+
+
+@dataclass(eq=False)
+class Tree:
+    problem: Problem
+    root: Node
+    rollout_paths: list[list[str]] = field(default_factory=list)
+
+    @property
+    def nodes(self) -> pa.Table:
+        """node_id, parent_id, depth, text, kind, observation, terminal, final_answer,
+        correct, visits, q, value: one row per node, depth first."""
+        return pa.Table.from_pylist(
+            [n.row() for n in self.root.walk()], schema=pa.schema(list(NODE))
+        )
+
+    def answers(self) -> list[Node]:
+        return [n for n in self.root.walk() if n.is_answer]
+
+
+@dataclass
+class SearchStats:
+    expansions: int = 0
+    llm_calls: int = 0
+    llm_batch_sizes: list[int] = field(default_factory=list)
+    open_trees_at_llm_call: list[int] = field(default_factory=list)
+    sandbox_calls: int = 0
+    programs_run: int = 0
+    ppm_calls: int = 0
+    llm_s: float = 0.0
+    sandbox_s: float = 0.0
+    ppm_s: float = 0.0
+    engine_s: float = 0.0  # the search's own work: tree rules, answer checks, scheduling
+    wall_s: float = 0.0
+
+    @property
+    def mean_llm_batch(self) -> float:
+        sizes = self.llm_batch_sizes
+        return sum(sizes) / len(sizes) if sizes else 0.0
+
+    def as_dict(self) -> dict:
+        return {
+            "expansions": self.expansions,
+            "llm_calls": self.llm_calls,
+            "mean_llm_batch": self.mean_llm_batch,
+            "sandbox_calls": self.sandbox_calls,
+            "programs_run": self.programs_run,
+            "ppm_calls": self.ppm_calls,
+            "llm_s": self.llm_s,
+            "sandbox_s": self.sandbox_s,
+            "ppm_s": self.ppm_s,
+            "engine_s": self.engine_s,
+            "wall_s": self.wall_s,
+        }
+
+
+# What a tree waits for.
+@dataclass
+class _Generate:
+    prompt: Prompt
+
+
+@dataclass
+class _Execute:
+    programs: list[str]
+
+
+@dataclass
+class _Score:
+    prompts: list[Prompt]
+
+
+_Request = _Generate | _Execute | _Score
+_Search = Generator[_Request, Any, None]
+
+
+class TreeSearch:
+    """The rules of one tree (spec §1.7-1.9), written as a generator of requests."""
+
+    def __init__(self, tree: Tree, config: MCTSConfig, prompt: StepPrompt, with_ppm: bool):
+        self.tree = tree
+        self.config = config
+        self.prompt = prompt
+        self.with_ppm = with_ppm
+
+    def run(self) -> _Search:
+        c, root = self.config.c, self.tree.root
+        for _ in range(self.config.rollouts):
+            if root.terminal:
+                return  # every branch is closed
+            path = []
+            node = descend(root, c)
+            for _ in range(self.config.max_depth):
+                if node is None:
+                    break
+                path.append(node.node_id)
+                yield from self.expand(node)
+                node = descend(node, c)
+            self.tree.rollout_paths.append(path)
+
+    def expand(self, node: Node) -> _Search:
+        prompt = self.prompt.build(self.tree.problem.question, node.steps())
+        completions: list[Completion] = yield _Generate(prompt)
+        steps = [parse_step(c.text, c.stop_string) for c in _distinct(completions)]
+        code = [s for s in steps if not s.is_answer]
+        runs = (
+            (yield _Execute([program_of([*_open_block(node), s.text]) for s in code]))
+            if code
+            else []
+        )
+        outcomes = iter(runs)
+        for step in steps:
+            child = Node(f"{node.node_id}.{len(node.children) + 1}", node, node.depth + 1)
+            child.action = step.text
+            node.children.append(child)
+            if step.is_answer:
+                self._answer(child, step.text, step.final_answer)
+            else:
+                self._code(child, step, next(outcomes))
+        if not steps:
+            self._fail(Node(f"{node.node_id}.1", node, node.depth + 1), NO_VALID_CHILD)
+        fresh = [ch for ch in node.children if not ch.terminal]
+        if self.with_ppm and fresh:
+            question = self.tree.problem.question
+            values = yield _Score([self.prompt.build(question, ch.steps()) for ch in fresh])
+            for child, value in zip(fresh, values, strict=True):
+                child.update(value)  # on the new node only: its initial Q
+
+    def _answer(self, child: Node, text: str, final_answer: str | None) -> None:
+        child.text, child.kind, child.terminal = text, "answer", True
+        child.final_answer = final_answer
+        child.correct = final_answer is not None and equivalent(
+            final_answer, self.tree.problem.answer
+        )
+        child.backup(1.0 if child.correct else -1.0)
+
+    def _code(self, child: Node, step: ParsedStep, run: Any) -> None:
+        child.kind = "code"
+        child.observation = observation_of(run.status, run.stdout, run.stderr)
+        if is_error(child.observation, run.status, self.config.error_rule):
+            child.consecutive_errors = child.parent.consecutive_errors + 1
+        if child.consecutive_errors >= self.config.errors_threshold:
+            closed = step.text if step.closes_code else step.text + CODE_END
+            child.text = with_output(closed, child.observation)
+            self._fail(child, TOO_MANY_CODE_ERRORS, attach=False)
+            return
+        child.text = with_output(step.text, child.observation) if step.closes_code else step.text
+        if child.depth >= self.config.max_depth:
+            self._fail(child, TOO_MANY_STEPS, attach=False)
+
+    @staticmethod
+    def _fail(child: Node, sentinel: str, attach: bool = True) -> None:
+        if attach:
+            child.parent.children.append(child)
+        child.kind, child.terminal, child.final_answer, child.correct = (
+            sentinel,
+            True,
+            sentinel,
+            False,
+        )
+        child.update(-1.0)  # on itself only: a failure says nothing about its ancestors
+
+
+def _distinct(completions: Sequence[Completion]) -> list[Completion]:
+    """The reference's post-filter: exact duplicates go, and if any sample finished
+    its answer, only the first such sample stays (an answer expansion has one child)."""
+    seen, kept = set(), []
+    for c in completions:
+        text = c.text + (c.stop_string or "")
+        if text.strip() and text not in seen:
+            seen.add(text)
+            kept.append(c)
+    answers = [c for c in kept if c.stop_string == ANSWER_END]
+    return answers[:1] if answers else kept
+
+
+def _open_block(node: Node) -> list[str]:
+    """The actions of the code block still open at `node`: the ancestors after the
+    last one that closed a block, oldest first."""
+    actions: list[str] = []
+    for ancestor in reversed(node.path()[1:]):
+        if ancestor.is_answer or CODE_END in ancestor.action:
+            break
+        if ancestor.observation and ancestor.observation.startswith("TimeoutError"):
+            continue  # the reference leaves out a step that timed out
+        actions.append(ancestor.action)
+    return actions[::-1]
+
+
+class MCTSSearch:
+    """Searches many trees at once and keeps the figures of the run in `stats`."""
+
+    def __init__(
+        self,
+        policy: LLM,
+        sandbox: Sandbox,
+        config: MCTSConfig | None = None,
+        ppm: ValueModel | None = None,
+        prompt: StepPrompt = DEFAULT_PROMPT,
+    ):
+        self.policy = policy
+        self.sandbox = sandbox
+        self.config = config or MCTSConfig()
+        self.ppm = ppm
+        self.prompt = prompt
+        self.stats = SearchStats()
+
+    def run(self, problems: Sequence[Problem]) -> list[Tree]:
+        from rstar_sandbox import Job
+
+        start = time.perf_counter()
+        trees = [Tree(p, Node("0", None, 0)) for p in problems]
+        searches = [
+            TreeSearch(t, self.config, self.prompt, self.ppm is not None).run() for t in trees
+        ]
+        ready: deque[tuple[int, Any]] = deque((i, None) for i in range(len(trees)))
+        pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
+        in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
+        open_trees = len(trees)
+        job = lambda code: Job(  # noqa: E731
+            code, timeout_s=self.config.exec_timeout_s, memory_mb=self.config.exec_memory_mb
+        )
+        lanes = {
+            _Generate: self._generate,
+            _Execute: lambda reqs: self._execute(reqs, job),
+            _Score: self._score,
+        }
+        with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+            while ready or in_flight:
+                engine_start = time.perf_counter()
+                while ready:
+                    index, reply = ready.popleft()
+                    try:
+                        request = searches[index].send(reply)
+                    except StopIteration:
+                        open_trees -= 1
+                        continue
+                    pending[type(request)].append((index, request))
+                for kind in self._lanes_to_start(pending, in_flight):
+                    batch, pending[kind] = pending[kind], []
+                    if kind is _Generate:
+                        self.stats.open_trees_at_llm_call.append(open_trees)
+                    future = pool.submit(lanes[kind], [r for _, r in batch])
+                    in_flight[future] = (kind, batch)
+                self.stats.engine_s += time.perf_counter() - engine_start
+                if not in_flight:
+                    break
+                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                for future in done:
+                    _, batch = in_flight.pop(future)
+                    replies = future.result()
+                    ready.extend(zip((i for i, _ in batch), replies, strict=True))
+        self.stats.wall_s += time.perf_counter() - start
+        return trees
+
+    def _lanes_to_start(self, pending: dict, in_flight: dict) -> list[type]:
+        busy = {kind for kind, _ in in_flight.values()}
+        if not self.config.lockstep:
+            return [k for k, reqs in pending.items() if reqs and k not in busy]
+        # The reference's schedule: one phase at a time for all trees (code runs, then
+        # PPM scores, then the next completions), each waiting for the slowest tree.
+        if in_flight:
+            return []
+        for kind in (_Execute, _Score, _Generate):
+            if pending[kind]:
+                return [kind]
+        return []
+
+    def _generate(self, requests: list[_Generate]) -> list[list[Completion]]:
+        start = time.perf_counter()
+        sampling = self.config.sampling(self.stats.llm_calls)
+        self.stats.llm_calls += 1
+        self.stats.expansions += len(requests)
+        self.stats.llm_batch_sizes.append(len(requests))
+        out = self.policy.generate([r.prompt for r in requests], sampling)
+        self.stats.llm_s += time.perf_counter() - start
+        return out
+
+    def _execute(self, requests: list[_Execute], job) -> list[list[Any]]:
+        start = time.perf_counter()
+        programs = [p for r in requests for p in r.programs]
+        results = self.sandbox.run([job(p) for p in programs])
+        self.stats.sandbox_calls += 1
+        self.stats.programs_run += len(programs)
+        self.stats.sandbox_s += time.perf_counter() - start
+        out, at = [], 0
+        for r in requests:
+            out.append(results[at : at + len(r.programs)])
+            at += len(r.programs)
+        return out
+
+    def _score(self, requests: list[_Score]) -> list[list[float]]:
+        start = time.perf_counter()
+        prompts = [p for r in requests for p in r.prompts]
+        values = self.ppm.score(prompts)
+        self.stats.ppm_calls += 1
+        self.stats.ppm_s += time.perf_counter() - start
+        out, at = [], 0
+        for r in requests:
+            out.append(list(values[at : at + len(r.prompts)]))
+            at += len(r.prompts)
+        return out
+
+
+def search(
+    problems: Sequence[Problem],
+    policy: LLM,
+    sandbox: Sandbox,
+    config: MCTSConfig | None = None,
+    ppm: ValueModel | None = None,
+    prompt: StepPrompt = DEFAULT_PROMPT,
+) -> list[Tree]:
+    """Search one tree per problem; see the module docstring."""
+    return MCTSSearch(policy, sandbox, config, ppm, prompt).run(problems)

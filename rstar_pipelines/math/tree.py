@@ -1,0 +1,178 @@
+"""Search-tree nodes and the rStar-Math rules on them: UCT selection, reward backup,
+and the node table every tree is stored as."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+
+from rstar_pipelines.math.steps import FAILURES
+
+NODE = pa.struct(
+    [
+        ("node_id", pa.string()),
+        ("parent_id", pa.string()),
+        ("depth", pa.int64()),
+        ("text", pa.string()),
+        ("kind", pa.string()),  # root, code, answer, or a failure sentinel
+        ("observation", pa.string()),
+        ("terminal", pa.bool_()),
+        ("final_answer", pa.string()),
+        ("correct", pa.bool_()),
+        ("visits", pa.int64()),
+        ("q", pa.float64()),
+        ("value", pa.float64()),  # the first value the node was given (PPM or reward)
+    ]
+)
+
+
+@dataclass(eq=False)
+class Node:
+    """One step of a solution. `node_id` is the reference's dotted tag: the root is
+    "0", its children "0.1", "0.2", ... in generation order."""
+
+    node_id: str
+    parent: Node | None
+    depth: int
+    text: str = ""
+    kind: str = "root"
+    action: str = ""  # the step as generated, without any appended output
+    observation: str | None = None
+    terminal: bool = False
+    final_answer: str | None = None
+    correct: bool | None = None
+    consecutive_errors: int = 0
+    visits: int = 0
+    value_sum: float = 0.0
+    value: float | None = None
+    children: list[Node] = field(default_factory=list)
+
+    @property
+    def q(self) -> float:
+        return self.value_sum / self.visits if self.visits else 0.0
+
+    @property
+    def is_answer(self) -> bool:
+        return self.kind == "answer"
+
+    @property
+    def is_failure(self) -> bool:
+        return self.kind in FAILURES
+
+    def update(self, reward: float) -> None:
+        if self.value is None:
+            self.value = reward
+        self.visits += 1
+        self.value_sum += reward
+
+    def backup(self, reward: float) -> None:
+        """A terminal answer's reward, on itself and every ancestor up to the root."""
+        node: Node | None = self
+        while node is not None:
+            node.update(reward)
+            node = node.parent
+
+    def uct(self, c: float) -> float:
+        """Q + c·sqrt(ln N(parent) / N). The reference's detail: an unvisited node
+        scores 0 (no exploration bonus), and so does any node of an unvisited parent
+        beyond its Q — so a PPM's initial values decide the first visits."""
+        parent_visits = self.parent.visits if self.parent else 0
+        if self.visits == 0:
+            return 0.0
+        if parent_visits == 0:
+            return self.q
+        return self.q + c * math.sqrt(math.log(parent_visits) / self.visits)
+
+    def path(self) -> list[Node]:
+        """Root to this node."""
+        nodes: list[Node] = []
+        node: Node | None = self
+        while node is not None:
+            nodes.append(node)
+            node = node.parent
+        return nodes[::-1]
+
+    def steps(self) -> list[str]:
+        """The texts of the steps from the root's first child to this node."""
+        return [n.text for n in self.path()[1:]]
+
+    def walk(self) -> Iterator[Node]:
+        """This node and its descendants, depth first in generation order."""
+        yield self
+        for child in self.children:
+            yield from child.walk()
+
+    def row(self) -> dict:
+        return {
+            "node_id": self.node_id,
+            "parent_id": self.parent.node_id if self.parent else None,
+            "depth": self.depth,
+            "text": self.text,
+            "kind": self.kind,
+            "observation": self.observation,
+            "terminal": self.terminal,
+            "final_answer": self.final_answer,
+            "correct": self.correct,
+            "visits": self.visits,
+            "q": self.q,
+            "value": self.value,
+        }
+
+
+def select_child(node: Node, c: float) -> Node | None:
+    """The non-terminal child with the highest UCT, ties to the first generated;
+    None when every child is terminal."""
+    best, best_score = None, -math.inf
+    for child in node.children:
+        if child.terminal:
+            continue
+        score = child.uct(c)
+        if score > best_score:
+            best, best_score = child, score
+    return best
+
+
+def descend(node: Node, c: float) -> Node | None:
+    """Follow the best children down to a node not yet expanded. A node whose
+    children are all terminal becomes terminal itself, and the descent ends (None)."""
+    while node.children:
+        child = select_child(node, c)
+        if child is None:
+            node.terminal = True
+            return None
+        node = child
+    return None if node.terminal else node
+
+
+def tree_from_rows(rows: list[dict]) -> Node:
+    """Rebuild a stored tree (rows of the node table, parents before children) and
+    return its root."""
+    nodes: dict[str, Node] = {}
+    root = None
+    for row in rows:
+        parent = nodes[row["parent_id"]] if row["parent_id"] is not None else None
+        node = Node(
+            row["node_id"],
+            parent,
+            row["depth"],
+            text=row["text"],
+            kind=row["kind"],
+            observation=row["observation"],
+            terminal=row["terminal"],
+            final_answer=row["final_answer"],
+            correct=row["correct"],
+            visits=row["visits"],
+            value_sum=row["q"] * row["visits"],
+            value=row["value"],
+        )
+        nodes[node.node_id] = node
+        if parent is None:
+            root = node
+        else:
+            parent.children.append(node)
+    if root is None:
+        raise ValueError("a stored tree needs its root row (parent_id null)")
+    return root

@@ -1,0 +1,154 @@
+"""The training process: `python -m rstar_pipelines.training.run CONFIG.json`.
+
+CONFIG.json holds `job` ("ppm" or "sft"), `base_model` (the policy to start from: "embedded", a
+.gguf file or a Hugging Face directory), `data` (a Parquet file: preference pairs with prompt,
+chosen, rejected, pos_count, neg_count for "ppm"; chat examples with `messages` for "sft"),
+`output_dir`, `train` (PPMTrainConfig or SFTTrainConfig fields) and optionally `num_threads`.
+
+It writes the checkpoint (a Hugging Face directory) and `training_metrics.json` to output_dir.
+Launched by Dagster Pipes, it reports progress to the run's logs; otherwise it logs to stderr.
+Bad input (config, data file, columns) is refused before any model loads, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from dagster_pipes import PipesContext, open_dagster_pipes
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from rstar_pipelines.training.ppm import PPMTrainConfig
+from rstar_pipelines.training.sft import SFTTrainConfig
+
+COLUMNS = {
+    "ppm": ("prompt", "chosen", "rejected", "pos_count", "neg_count"),
+    "sft": ("messages",),
+}
+TRAIN_CONFIGS = {"ppm": PPMTrainConfig, "sft": SFTTrainConfig}
+METRICS_FILE = "training_metrics.json"
+
+
+class BadInput(Exception):
+    """The config or the data cannot be used; the message says why."""
+
+
+class RunConfig(BaseModel):
+    """The contents of CONFIG.json."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    job: Literal["ppm", "sft"]
+    base_model: str
+    data: Path
+    output_dir: Path
+    train: dict[str, Any] = Field(default_factory=dict)
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
+
+
+def read_config(path: Path) -> tuple[RunConfig, PPMTrainConfig | SFTTrainConfig]:
+    if not path.is_file():
+        raise BadInput(f"config file not found: {path}")
+    try:
+        config = RunConfig.model_validate_json(path.read_text())
+        return config, TRAIN_CONFIGS[config.job].model_validate(config.train)
+    except ValidationError as error:
+        raise BadInput(f"invalid config {path}: {error}") from error
+
+
+def read_rows(config: RunConfig) -> list[dict]:
+    """The data rows, only the columns the job uses."""
+    if not config.data.is_file():
+        raise BadInput(f"data file not found: {config.data}")
+    try:
+        names = pq.read_schema(config.data).names
+    except pa.ArrowInvalid as error:
+        raise BadInput(f"{config.data} is not a Parquet file: {error}") from error
+    missing = [column for column in COLUMNS[config.job] if column not in names]
+    if missing:
+        raise BadInput(
+            f"{config.data} lacks the column(s) {', '.join(missing)} that a {config.job} job "
+            f"needs (it has {', '.join(names)})"
+        )
+    rows = pq.read_table(config.data, columns=list(COLUMNS[config.job])).to_pylist()
+    if not rows:
+        raise BadInput(f"{config.data} has no rows")
+    return rows
+
+
+def train(
+    config: RunConfig,
+    train_config: PPMTrainConfig | SFTTrainConfig,
+    rows: list[dict],
+    log: Callable[[str], Any],
+) -> dict:
+    """Train, save the checkpoint to output_dir and return the metrics."""
+    import torch
+
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    torch.manual_seed(train_config.seed)  # the PPM's new head is drawn at random
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    log(f"loading {config.base_model} for a {config.job} job on {device}")
+    if config.job == "ppm":
+        from rstar_pipelines.training.ppm import ProcessPreferenceModel, train_ppm
+
+        ppm = ProcessPreferenceModel.from_base(config.base_model)
+        ppm.model.to(device)
+        metrics = train_ppm(ppm, rows, train_config, log)
+        ppm.save(config.output_dir)
+    else:
+        from rstar_pipelines.training.base_models import add_tags, load_trainable
+        from rstar_pipelines.training.sft import train_sft
+
+        model, tokenizer = load_trainable(config.base_model)
+        add_tags(model, tokenizer)
+        model.to(device)
+        metrics = train_sft(model, tokenizer, rows, train_config, log)
+        model.save_pretrained(config.output_dir)
+        tokenizer.save_pretrained(config.output_dir)
+    log(f"saved the checkpoint to {config.output_dir}")
+    return metrics
+
+
+def run(config_path: Path, log: Callable[[str], Any]) -> None:
+    config, train_config = read_config(config_path)
+    rows = read_rows(config)
+    metrics = train(config, train_config, rows, log)
+    record = {
+        "job": config.job,
+        "base_model": config.base_model,
+        "train": train_config.model_dump(),
+        **metrics,
+    }
+    (config.output_dir / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _logger(pipes: Any) -> Callable[[str], Any]:
+    if isinstance(pipes, PipesContext):
+        return pipes.log.info
+    # Outside Dagster, open_dagster_pipes returns a mock that drops everything.
+    return lambda message: print(message, file=sys.stderr, flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m rstar_pipelines.training.run CONFIG.json", file=sys.stderr)
+        return 2
+    try:
+        with open_dagster_pipes() as pipes:
+            run(Path(args[0]), _logger(pipes))
+    except BadInput as error:
+        print(f"training: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""Stage kinds that train: ppm_checkpoint and policy_checkpoint.
+
+Training runs in its own process (`python -m rstar_pipelines.training.run`, launched
+through Dagster Pipes), so an out-of-memory kill fails the step, not the run. The
+checkpoint is a Hugging Face directory under <data>/checkpoints/; the asset is one row
+with its path and the training figures, which the next round reads.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import Field
+
+from rstar_pipelines import settings
+from rstar_pipelines.pipeline.plots import line_plot
+from rstar_pipelines.pipeline.stage import (
+    Stage,
+    StageContext,
+    StageInputError,
+    StageParams,
+    StageResult,
+)
+from rstar_pipelines.storage import schemas
+from rstar_pipelines.training.ppm import PPMTrainConfig
+from rstar_pipelines.training.run import METRICS_FILE
+from rstar_pipelines.training.sft import SFTTrainConfig
+
+
+class PolicyTrainingParams(StageParams):
+    model: str  # the base model's role: the policy is retrained from it every round
+    round: int = Field(1, ge=1)
+    train: SFTTrainConfig = SFTTrainConfig()
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
+
+
+class PPMTrainingParams(StageParams):
+    round: int = Field(1, ge=1)
+    train: PPMTrainConfig = PPMTrainConfig()
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
+
+
+class TrainingStage(Stage):
+    """Write the training data, train out of process, report the checkpoint."""
+
+    schema = schemas.CHECKPOINT
+    kinds = frozenset({"pytorch"})
+    job: ClassVar[str]
+    data_input: ClassVar[str]
+
+    def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
+        raise NotImplementedError
+
+    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
+        p = self.params
+        data = inputs[self.data_input]
+        if data.num_rows == 0:
+            raise StageInputError(
+                f"{self.data_input} is empty: there is nothing to train the {self.job} on "
+                "(search more problems, or with more rollouts, to get some)"
+            )
+        base = self.base_model(ctx, inputs)
+        out = (
+            settings.data_dir()
+            / "checkpoints"
+            / f"{self.job}-r{p.round}"
+            / (ctx.run_id or time.strftime("%Y%m%d-%H%M%S"))
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        pq.write_table(data, out / "train_data.parquet")
+        config = {
+            "job": self.job,
+            "base_model": base,
+            "data": str(out / "train_data.parquet"),
+            "output_dir": str(out),
+            "train": p.train.model_dump(mode="json"),
+            "num_threads": p.num_threads,
+        }
+        (out / "train_config.json").write_text(json.dumps(config, indent=2))
+        ctx.run_process(
+            [sys.executable, "-m", "rstar_pipelines.training.run", str(out / "train_config.json")]
+        )
+        metrics = json.loads((out / METRICS_FILE).read_text())
+        return self._result(ctx, out, base, metrics)
+
+    def _result(self, ctx: StageContext, out: Path, base: str, m: dict[str, Any]) -> StageResult:
+        losses = m["losses"]
+        row = {
+            "id": out.name,
+            "job": self.job,
+            "round": self.params.round,
+            "path": str(out),
+            "base_model": base,
+            "examples": m.get("train_pairs", m.get("examples")),
+            "heldout_examples": m.get("heldout_pairs"),
+            "steps": m["steps"],
+            "final_loss": losses[-1] if losses else None,
+            "heldout_accuracy": m.get("heldout_accuracy"),
+            "train_accuracy_before": m.get("train_accuracy_before"),
+            "train_accuracy_after": m.get("train_accuracy_after"),
+            "seconds": m["seconds"],
+            "run_id": ctx.run_id,
+        }
+        shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
+        return StageResult(
+            table=pa.Table.from_pylist([row], schema=self.schema),
+            metadata={**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")},
+        )
+
+
+class PolicyCheckpoint(TrainingStage):
+    """The policy fine-tuned on sft_dataset from the declared base model (spec §3; the
+    paper retrains from the base model every round), the step tags added as tokens."""
+
+    Params = PolicyTrainingParams
+    resources = ("llm",)
+    job = "sft"
+    data_input = "sft_dataset"
+
+    def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
+        return _local_model(ctx, self.model)
+
+
+class PPMCheckpoint(TrainingStage):
+    """The process preference model: this round's policy with a scalar head, trained on
+    ppm_pairs with the pairwise loss weighted 1/(pos·neg) (spec §2)."""
+
+    Params = PPMTrainingParams
+    job = "ppm"
+    data_input = "ppm_pairs"
+
+    def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
+        rows = inputs["policy_checkpoint"].to_pylist()
+        if not rows:
+            raise StageInputError("policy_checkpoint has no row: train the policy first")
+        return rows[-1]["path"]
+
+
+def _local_model(ctx: StageContext, model: str | None) -> str:
+    name = ctx.resource("llm").model_name(model)
+    if name is None:
+        raise StageInputError(
+            "training needs the base model's weights: declare a Hugging Face directory, a "
+            ".gguf file or 'embedded' for it (the llm resource names no model)"
+        )
+    return name

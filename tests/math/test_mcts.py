@@ -1,0 +1,237 @@
+"""The search engine on a golden tree: a scripted policy whose steps and code outcomes
+are fixed, run through the real sandbox (process backend), with visit counts,
+Q-values, selections and pairs computed by hand in the comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from rstar_sandbox import Sandbox
+
+from rstar_pipelines.llm import Completion
+from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
+from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
+from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
+
+PREFIX = "Question: What is 2 + 3?\n"
+A = "<code>\n# Step 1: add the two numbers\nx = 2 + 3" + STEP_END
+B = "<code>\n# Step 1: multiply them instead\nx = 2 * 3" + STEP_END
+C = "<code>\nprint(1 / 0)" + CODE_END
+D = "\nprint(x)" + CODE_END
+E = "\nprint(z)" + CODE_END
+F = "\n<answer>The answer is \\boxed{5}" + ANSWER_END
+H = "\n# Step 2: make sure it is positive\nassert x > 0" + STEP_END
+K = "\nprint(x - 1)" + CODE_END
+OUT5 = "\n<output>5<end_of_output>"
+OUT6 = "\n<output>6<end_of_output>"
+
+# What the policy writes after each partial solution (the steps so far, as shown).
+SCRIPT = {
+    "": [A, B, C],
+    A: [D, D, E],  # the duplicate of D is dropped
+    A + D + OUT5: [F, "\n<answer>\\boxed{7}" + ANSWER_END],  # only the first answer stays
+    B: [D, H],
+    B + D + OUT6: ["\n<answer>\\boxed{6}" + ANSWER_END],
+    B + H: [K],
+    B + H + K + OUT5: [F],
+}
+
+
+def _completion(step: str) -> Completion:
+    for stop in (STEP_END, CODE_END, ANSWER_END):
+        if step.endswith(stop):
+            return Completion(step[: -len(stop)], "stop", stop, 10, 10)
+    return Completion(step, "eos", None, 10, 10)
+
+
+class ScriptedPolicy:
+    name = "scripted"
+
+    def __init__(self):
+        self.batches: list[int] = []
+
+    def generate(self, prompts, params):
+        self.batches.append(len(prompts))
+        return [[_completion(s) for s in SCRIPT[p.removeprefix(PREFIX)]] for p in prompts]
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    with Sandbox(backend="process", workers=2) as sb:
+        yield sb
+
+
+PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
+PROBLEM = Problem("p1", "What is 2 + 3?", "5")
+
+
+def run(sandbox, rollouts: int, **options):
+    config = MCTSConfig(rollouts=rollouts, width=3, max_depth=4, errors_threshold=1, **options)
+    return search([PROBLEM], ScriptedPolicy(), sandbox, config, prompt=PROMPT)[0]
+
+
+def state(tree) -> dict[str, tuple[int, float]]:
+    return {r["node_id"]: (r["visits"], round(r["q"], 6)) for r in tree.nodes.to_pylist()}
+
+
+def test_first_rollout(sandbox):
+    # Root expands to 0.1 (A), 0.2 (B) and 0.3 (C: ZeroDivisionError, a code-error
+    # terminal taking -1 on itself only). 0.1 and 0.2 are unvisited (UCT 0): the tie
+    # goes to the first, 0.1. It expands to 0.1.1 (D, output 5) and 0.1.2 (E, NameError);
+    # 0.1.1 expands to the answer 5: +1 backed up to 0.1.1, 0.1 and the root. All of
+    # 0.1.1's children are terminal, so 0.1.1 becomes terminal and the rollout ends.
+    tree = run(sandbox, 1)
+    assert tree.rollout_paths == [["0", "0.1", "0.1.1"]]
+    assert state(tree) == {
+        "0": (1, 1.0),
+        "0.1": (1, 1.0),
+        "0.1.1": (1, 1.0),
+        "0.1.1.1": (1, 1.0),
+        "0.1.2": (1, -1.0),
+        "0.2": (0, 0.0),
+        "0.3": (1, -1.0),
+    }
+    nodes = {r["node_id"]: r for r in tree.nodes.to_pylist()}
+    assert nodes["0.3"]["kind"] == "TOO_MANY_CODE_ERRORS"
+    assert nodes["0.3"]["observation"] == "ZeroDivisionError: division by zero"
+    assert nodes["0.1.2"]["observation"] == "NameError: name 'z' is not defined"
+    assert nodes["0.1.1"]["text"] == D + OUT5
+    assert nodes["0.1.1"]["terminal"]  # closed: every child is terminal
+    assert nodes["0.1.1.1"]["final_answer"] == "5" and nodes["0.1.1.1"]["correct"]
+
+
+def test_rollouts_two_to_four(sandbox):
+    # Rollout 2: 0.1 has UCT 1 + 2·sqrt(ln 1 / 1) = 1 against 0 for the unvisited 0.2;
+    # it is chosen, all its children are terminal, so it closes and the rollout ends
+    # having expanded nothing.
+    # Rollout 3: 0.1 and 0.3 are terminal, 0.2 is chosen and expands to 0.2.1 (D: 6)
+    # and 0.2.2 (H); the tie goes to 0.2.1, whose answer 6 is wrong: -1 to the root.
+    # Rollout 4: 0.2 has UCT -1 + 2·sqrt(ln 2 / 1) = 0.665; below it 0.2.1 is closed, so
+    # 0.2.2 expands (K: 5), then 0.2.2.1 expands to the answer 5: +1 to the root.
+    tree = run(sandbox, 2)
+    assert tree.rollout_paths == [["0", "0.1", "0.1.1"], []]
+    assert state(tree)["0"] == (1, 1.0)
+    tree = run(sandbox, 4)
+    assert tree.rollout_paths == [["0", "0.1", "0.1.1"], [], ["0.2", "0.2.1"], ["0.2.2", "0.2.2.1"]]
+    assert state(tree) == {
+        "0": (3, round(1 / 3, 6)),
+        "0.1": (1, 1.0),
+        "0.1.1": (1, 1.0),
+        "0.1.1.1": (1, 1.0),
+        "0.1.2": (1, -1.0),
+        "0.2": (2, 0.0),
+        "0.2.1": (1, -1.0),
+        "0.2.1.1": (1, -1.0),
+        "0.2.2": (1, 1.0),
+        "0.2.2.1": (1, 1.0),
+        "0.2.2.1.1": (1, 1.0),
+        "0.3": (1, -1.0),
+    }
+    root = tree.root
+    assert math.isclose(root.children[1].uct(2.0), 0 + 2 * math.sqrt(math.log(3) / 2))
+
+
+def test_pairs_of_the_golden_tree(sandbox):
+    tree = run(sandbox, 4)
+    pairs = preference_pairs(tree, min_margin=0.5, min_edit_distance=5)
+    # At the root: chosen 0.1 (Q 1) and 0.2 (Q 0) lead to a correct answer, only 0.2
+    # leads to a wrong one, so up to four chosen face it: (0.1, 0.2) has margin 1, and
+    # the chosen continuation's mean Q (1) beats the rejected one's (0, -1, -1: -2/3);
+    # (0.2, 0.2) has margin 0. At 0.2 (both kinds below): (0.2.2, 0.2.1), margin 2.
+    # Final pairs: the correct trajectories (mean Q 1 and 0.75) against the wrong one
+    # (mean -2/3).
+    step = [
+        (p.node_id, p.chosen_step, p.rejected_step, p.margin) for p in pairs if p.kind == "step"
+    ]
+    assert step == [("0", A, B, 1.0), ("0.2", H, D + OUT6, 2.0)]
+    first = pairs[0]
+    assert (first.pos_count, first.neg_count) == (2, 1)
+    assert first.prompt == "What is 2 + 3?"
+    assert first.chosen == assistant_text([A]) and first.rejected == assistant_text([B])
+    assert pairs[1].chosen == assistant_text([B, H])
+    final = [(p.chosen, p.rejected, round(p.margin, 4)) for p in pairs if p.kind == "final"]
+    wrong = B + D + OUT6 + "\n<answer>\\boxed{6}" + ANSWER_END
+    assert final == [
+        (assistant_text([A + D + OUT5 + F]), assistant_text([wrong]), round(1 + 2 / 3, 4)),
+        (assistant_text([B + H + K + OUT5 + F]), assistant_text([wrong]), round(0.75 + 2 / 3, 4)),
+    ]
+    # The filters: a margin of 1.5 keeps only the pairs above it.
+    assert {round(p.margin, 4) for p in preference_pairs(tree, 1.5, 5)} == {2.0, round(5 / 3, 4)}
+    assert preference_pairs(tree, 0.5, 10_000) == []
+
+
+def test_trajectories_and_sft_sample(sandbox):
+    tree = run(sandbox, 4)
+    found = {t.leaf.node_id: (t.correct, t.q_values) for t in trajectories(tree)}
+    assert found == {
+        "0.1.1.1": (True, [1.0, 1.0, 1.0]),
+        "0.1.2": (False, [1.0, -1.0]),
+        "0.2.1.1": (False, [0.0, -1.0, -1.0]),
+        "0.2.2.1.1": (True, [0.0, 1.0, 1.0, 1.0]),
+        "0.3": (False, [-1.0]),
+    }
+    best = best_trajectories(tree, n=2)
+    assert [t.leaf.node_id for t in best] == ["0.1.1.1", "0.2.2.1.1"]
+    assert [t.leaf.node_id for t in best_trajectories(tree, n=1)] == ["0.1.1.1"]
+
+
+class ScriptedPPM:
+    """Scores the partial solutions it knows, everything else 0."""
+
+    def __init__(self, values: dict[str, float]):
+        self.values = values
+        self.calls: list[list] = []
+
+    def score(self, prompts):
+        self.calls.append(prompts)
+        return [self.values.get(p.removeprefix(PREFIX), 0.0) for p in prompts]
+
+
+def test_ppm_initial_value_is_applied_once_to_the_new_node_only(sandbox):
+    # With a PPM, each new non-terminal child gets one update with its score (visits 1,
+    # Q = score) and nothing else changes. The root is unvisited, so UCT = Q: 0.2
+    # (0.25) beats 0.1 (-0.5). 0.2's children 0.2.1 and 0.2.2 score 0; 0.2 has one
+    # visit (ln 1 = 0), so the tie goes to 0.2.1, whose answer 6 is wrong: -1 on
+    # 0.2.1.1, 0.2.1 (0 - 1 over 2 visits), 0.2 (0.25 - 1 over 2) and the root.
+    ppm = ScriptedPPM({A: -0.5, B: 0.25})
+    config = MCTSConfig(rollouts=1, width=3, max_depth=4, errors_threshold=1)
+    tree = search([PROBLEM], ScriptedPolicy(), sandbox, config, ppm=ppm, prompt=PROMPT)[0]
+    assert tree.rollout_paths == [["0", "0.2", "0.2.1"]]
+    assert state(tree) == {
+        "0": (1, -1.0),
+        "0.1": (1, -0.5),
+        "0.2": (2, -0.375),
+        "0.2.1": (2, -0.5),
+        "0.2.1.1": (1, -1.0),
+        "0.2.2": (1, 0.0),
+        "0.3": (1, -1.0),
+    }
+    assert tree.root.children[1].value == 0.25  # the first value it was given
+    assert [len(c) for c in ppm.calls] == [2, 2]  # non-terminal children only
+
+
+def test_failure_terminals_do_not_propagate(sandbox):
+    tree = run(sandbox, 1)
+    failures = [n for n in tree.root.walk() if n.is_failure]
+    assert {n.node_id for n in failures} == {"0.3", "0.1.2"}
+    # The root saw one terminal backup (+1), none from the two failures.
+    assert (tree.root.visits, tree.root.q) == (1, 1.0)
+
+
+def test_too_many_steps_and_error_rules(sandbox):
+    # max_depth 1: a code step at depth 1 is a TOO_MANY_STEPS terminal.
+    config = MCTSConfig(rollouts=1, width=3, max_depth=1, errors_threshold=1)
+    tree = search([PROBLEM], ScriptedPolicy(), sandbox, config, prompt=PROMPT)[0]
+    kinds = [r["kind"] for r in tree.nodes.to_pylist()]
+    assert kinds == ["root", "TOO_MANY_STEPS", "TOO_MANY_STEPS", "TOO_MANY_CODE_ERRORS"]
+    assert tree.root.terminal
+
+
+def test_many_trees_share_batches(sandbox):
+    policy = ScriptedPolicy()
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(6)]
+    trees = search(problems, policy, sandbox, config, prompt=PROMPT)
+    assert all(state(t) == state(trees[0]) for t in trees)
+    assert policy.batches[0] == 6 and max(policy.batches) == 6

@@ -1,0 +1,207 @@
+"""The rStar-Math assets through Dagster, two self-evolution rounds: a scripted policy
+(the golden tree's steps) searches with the real sandbox; the policy and the PPM are
+really trained, out of process, from a tiny random model; round 2 searches with round
+1's PPM, whose scores become the new nodes' initial values."""
+
+from __future__ import annotations
+
+import math
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+
+from rstar_pipelines import settings
+from rstar_pipelines.definitions import build_definitions, load_spec
+from rstar_pipelines.llm import load_llm
+from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.materialize import run_waves
+from rstar_pipelines.math.steps import PREAMBLE
+from rstar_pipelines.sandbox_resource import SandboxResource
+from rstar_pipelines.storage import query, schemas
+from rstar_pipelines.storage.parquet_io import write_table
+from rstar_pipelines.training.ppm import ProcessPreferenceModel
+from tests.conftest import REPO
+from tests.math.test_mcts import SCRIPT, _completion
+
+QUESTION = "What is 2 + 3?"
+
+
+class ScriptedPolicy:
+    """Continues the golden tree's partial solutions, in either prompt format."""
+
+    name = "scripted"
+
+    def generate(self, prompts, params):
+        out = []
+        for prompt in prompts:
+            if isinstance(prompt, str):  # the few-shot prompt: steps follow the question
+                steps = prompt.rsplit(f"Question: {QUESTION}\n", 1)[1]
+            else:
+                assert prompt[0]["content"].strip() == QUESTION
+                steps = prompt[-1]["content"].removeprefix(PREAMBLE)
+            out.append([_completion(s) for s in SCRIPT[steps]])
+        return out
+
+
+class ScriptedLLMResource(LLMResource):
+    def get_llm(self, model=None):
+        return ScriptedPolicy()
+
+
+def _write_upstream(batch: str) -> None:
+    ids = [f"p{i}" for i in range(8)]
+    problems = [
+        {
+            "id": i,
+            "batch": batch,
+            "domain": "math",
+            "problem": QUESTION,
+            "answer": "5",
+            "oracle_solutions": [],
+            "examples": [],
+            "time_limit_s": None,
+            "is_seed": True,
+            "seed_id": i,
+            "model": "seed",
+        }
+        for i in ids
+    ]
+    verified = [
+        {
+            "problem_id": i,
+            "batch": batch,
+            "domain": "math",
+            "verified": True,
+            "reason": None,
+            "label_source": "given",
+            "agreement": 1.0,
+            "answer": "5",
+            "inputs": [],
+            "labels": [],
+            "candidates": [],
+        }
+        for i in ids
+    ]
+    lake = settings.lake_dir()
+    write_table(
+        pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
+        lake / "synthesized_problems" / f"{batch}.parquet",
+    )
+    write_table(
+        pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
+        lake / "verified_outputs" / f"{batch}.parquet",
+    )
+    write_table(
+        schemas.VERIFIED_SOLUTIONS.empty_table(), lake / "verified_solutions" / f"{batch}.parquet"
+    )
+
+
+@pytest.fixture
+def two_rounds(tmp_path, tiny_base):
+    text = (REPO / "assets" / "pipeline.yaml").read_text()
+    text = text.replace("rounds: 1", "rounds: 2").replace(
+        "  policy: null", f"  policy: {tiny_base}"
+    )
+    text = text.replace("rollouts: 3", "rollouts: 4")
+    text = text.replace("errors_threshold: 2", "errors_threshold: 1")
+    text = text.replace("max_depth: 6", "max_depth: 4").replace(
+        "min_edit_distance: 20", "min_edit_distance: 5"
+    )
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    spec = load_spec(path)
+    defs = build_definitions(spec)
+    resources = {
+        **defs.resources,
+        "llm": ScriptedLLMResource(),
+        "sandbox": SandboxResource(backend="process", workers=2),
+    }
+    return spec, defs, resources
+
+
+def test_two_self_evolution_rounds(two_rounds):
+    spec, defs, resources = two_rounds
+    _write_upstream("b1")
+    upstream = {
+        "seed_problems",
+        "seed_catalog",
+        "synthesized_problems",
+        "test_inputs",
+        "candidate_solutions",
+        "verified_outputs",
+        "verified_solutions",
+    }
+    # Round 2 is searched (with round 1's checkpoints) but not trained on.
+    upstream |= {
+        "ppm_pairs_r2",
+        "sft_dataset_r2",
+        "policy_checkpoint_r2",
+        "ppm_checkpoint_r2",
+        "mcts_eval_r2",
+    }
+    search_waves = [[a for a in w if a.key not in upstream] for w in run_waves(spec)]
+    search_waves = [w for w in search_waves if w]
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("seed_batches", ["b1"])
+        for wave in search_waves:
+            result = dg.materialize(
+                list(defs.assets),
+                selection=[k for a in wave for k in a.output_keys()],
+                partition_key="b1" if wave[0].partitioned else None,
+                instance=instance,
+                resources=resources,
+            )
+            assert result.success
+
+        # Round 1: the golden tree for each of the 8 problems (the held-out split
+        # keeps some out), its pairs and SFT data, both checkpoints trained.
+        trees = query("select count(distinct problem_id) n from mcts_nodes").column("n")[0].as_py()
+        assert 1 <= trees <= 8
+        root = query("select visits, q from mcts_nodes where node_id = '0'").to_pylist()[0]
+        assert (root["visits"], round(root["q"], 6)) == (3, round(1 / 3, 6))
+        pairs = query(
+            "select kind, count(*) n from ppm_pairs group by kind order by kind"
+        ).to_pylist()
+        assert pairs == [{"kind": "final", "n": 2 * trees}, {"kind": "step", "n": 2 * trees}]
+        sft = query("select messages from sft_dataset").column("messages").to_pylist()
+        assert len(sft) == 2 * trees and sft[0][1]["content"].startswith(PREAMBLE)
+
+        policy = query("select * from policy_checkpoint").to_pylist()[0]
+        ppm = query("select * from ppm_checkpoint").to_pylist()[0]
+        assert policy["round"] == 1 and policy["steps"] >= 1
+        assert ppm["base_model"] == policy["path"]  # the PPM starts from this round's policy
+        assert ppm["examples"] + ppm["heldout_examples"] == 4 * trees
+        assert math.isfinite(ppm["final_loss"])
+        reloaded = load_llm("transformers", policy["path"])
+        assert reloaded.generate(["<code>"], _greedy())[0][0].completion_tokens >= 1
+        scorer = ProcessPreferenceModel.load(ppm["path"])
+
+        # Round 2 searched with round 1's PPM: new non-terminal nodes start at its score.
+        nodes = query("select * from mcts_nodes_r2 where kind = 'code'").to_pylist()
+        assert nodes and all(n["round"] == 2 for n in nodes)
+        first = next(n for n in nodes if n["node_id"] == "0.1")
+        expected = scorer.score(
+            [
+                [
+                    {"role": "user", "content": QUESTION + "\n"},
+                    {"role": "assistant", "content": PREAMBLE + first["text"]},
+                ]
+            ]
+        )[0]
+        assert first["value"] == pytest.approx(expected, abs=1e-4)
+        events = instance.get_latest_materialization_event(dg.AssetKey("mcts_trajectories_r2"))
+        assert events.asset_materialization.metadata["ppm"].value == ppm["path"]
+
+        # The evaluation of round 1's policy and PPM on the held-out problems.
+        evaluated = query("select * from mcts_eval").to_pylist()
+        assert len(evaluated) == min(4, 8 - trees)
+        assert all(r["best_q_correct"] == (r["best_q_answer"] == "5") for r in evaluated)
+        eval_md = instance.get_latest_materialization_event(dg.AssetKey("mcts_eval"))
+        assert "accuracy_greedy" in eval_md.asset_materialization.metadata
+
+
+def _greedy():
+    from rstar_pipelines.llm import SamplingParams
+
+    return SamplingParams(temperature=0, max_tokens=3)
