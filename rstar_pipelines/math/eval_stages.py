@@ -11,14 +11,14 @@ from rstar_pipelines.math.answers import equivalent
 from rstar_pipelines.math.evaluation import best_q_answer, greedy_config, top_answers_vote
 from rstar_pipelines.math.search_stages import (
     SearchModels,
+    SearchStage,
     SearchStageParams,
     checkpoint_path,
-    is_heldout,
+    search_problems,
     search_trees,
-    verified_math_problems,
 )
 from rstar_pipelines.pipeline.plots import markdown_table
-from rstar_pipelines.pipeline.stage import Stage, StageContext, StageResult
+from rstar_pipelines.pipeline.stage import StageContext, StageResult
 from rstar_pipelines.storage import schemas
 
 
@@ -31,22 +31,17 @@ def _correct(answer: str | None, gold: str) -> bool:
     return answer is not None and equivalent(answer, gold)
 
 
-class MCTSEvaluation(Stage):
+class MCTSEvaluation(SearchStage):
     """On the held-out split of verified math problems, this round's policy three ways:
     greedy decoding, PPM-guided search answered by the best-Q leaf, and a majority vote
     over the search's top answers."""
 
     Params = EvalParams
     schema = schemas.MCTS_EVAL
-    prompt_roles = ("bootstrap", "policy")
-    resources = ("llm", "sandbox")
-    kinds = frozenset({"python", "docker"})
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = [
-            q for q in verified_math_problems(inputs) if is_heldout(q["id"], p.heldout_fraction)
-        ][: p.max_problems]
+        problems = search_problems(inputs, p, heldout=True)
         guided = SearchModels(
             self,
             ctx,

@@ -203,6 +203,9 @@ class _Score:
 _Request = _Generate | _Execute | _Score
 _Search = Generator[_Request, Any, None]
 
+# The least time a model lane holds a partial batch for trees still running code.
+MIN_GATHER_S = 0.05
+
 
 class TreeSearch:
     """The rules of one tree (spec §1.7-1.9), written as a generator of requests."""
@@ -355,6 +358,7 @@ class MCTSSearch:
             _Execute: lambda reqs: self._execute(reqs, job),
             _Score: self._score,
         }
+        held_since: dict[type, float] = {}
         with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
             while ready or in_flight:
                 engine_start = time.perf_counter()
@@ -366,8 +370,10 @@ class MCTSSearch:
                         open_trees -= 1
                         continue
                     pending[type(request)].append((index, request))
-                for kind in self._lanes_to_start(pending, in_flight):
+                now = time.perf_counter()
+                for kind in self._lanes_to_start(pending, in_flight, open_trees, held_since, now):
                     batch, pending[kind] = pending[kind], []
+                    held_since.pop(kind, None)
                     if kind is _Generate:
                         self.stats.open_trees_at_llm_call.append(open_trees)
                     future = pool.submit(lanes[kind], [r for _, r in batch])
@@ -375,7 +381,9 @@ class MCTSSearch:
                 self.stats.engine_s += time.perf_counter() - engine_start
                 if not in_flight:
                     break
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
+                deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
+                timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
                     _, batch = in_flight.pop(future)
                     replies = future.result()
@@ -383,18 +391,40 @@ class MCTSSearch:
         self.stats.wall_s += time.perf_counter() - start
         return trees
 
-    def _lanes_to_start(self, pending: dict, in_flight: dict) -> list[type]:
+    def _lanes_to_start(
+        self, pending: dict, in_flight: dict, open_trees: int, held_since: dict, now: float
+    ) -> list[type]:
         busy = {kind for kind, _ in in_flight.values()}
-        if not self.config.lockstep:
-            return [k for k, reqs in pending.items() if reqs and k not in busy]
-        # The reference's schedule: one phase at a time for all trees (code runs, then
-        # PPM scores, then the next completions), each waiting for the slowest tree.
-        if in_flight:
-            return []
-        for kind in (_Execute, _Score, _Generate):
-            if pending[kind]:
-                return [kind]
-        return []
+        if self.config.lockstep:
+            # The reference's schedule: one phase at a time for all trees (code runs, then
+            # PPM scores, then the next completions), each waiting for the slowest tree.
+            if in_flight:
+                return []
+            return next(([k] for k in (_Execute, _Score, _Generate) if pending[k]), [])
+        active = busy | {kind for kind, requests in pending.items() if requests}
+        start = []
+        for kind, requests in pending.items():
+            if not requests or kind in busy:
+                continue
+            # A model call costs about the same for one prompt as for many, so the model
+            # lanes wait a little for the trees whose code is still running; the sandbox
+            # does not wait. With no other lane at work, nothing else is coming.
+            everyone = len(requests) == open_trees or active == {kind}
+            if kind is _Execute or everyone:
+                start.append(kind)
+                continue
+            held_since.setdefault(kind, now)
+            if now >= held_since[kind] + self._gather_s(kind):
+                start.append(kind)
+        return start
+
+    def _gather_s(self, kind: type) -> float:
+        """How long a model lane holds a partial batch: a tenth of its mean call time."""
+        if kind is _Generate and self.stats.llm_calls:
+            return max(MIN_GATHER_S, 0.1 * self.stats.llm_s / self.stats.llm_calls)
+        if kind is _Score and self.stats.ppm_calls:
+            return max(MIN_GATHER_S, 0.1 * self.stats.ppm_s / self.stats.ppm_calls)
+        return MIN_GATHER_S
 
     def _generate(self, requests: list[_Generate]) -> list[list[Completion]]:
         start = time.perf_counter()

@@ -49,6 +49,15 @@ def verified_math_problems(inputs: dict[str, pa.Table]) -> list[dict]:
     ]
 
 
+def search_problems(inputs: dict[str, pa.Table], params, heldout: bool) -> list[dict]:
+    """The verified math problems on one side of the held-out split, at most max_problems."""
+    return [
+        q
+        for q in verified_math_problems(inputs)
+        if is_heldout(q["id"], params.heldout_fraction) == heldout
+    ][: params.max_problems]
+
+
 class SearchStageParams(StageParams):
     model: str  # the policy's model role (round 1; later rounds search with the last policy)
     round: int = Field(1, ge=1)
@@ -139,7 +148,15 @@ def search_trees(
     return trees, (searcher[0].stats.as_dict() if searcher else {})
 
 
-class MCTSTrajectories(Stage):
+class SearchStage(Stage):
+    """A stage that searches: it renders either prompt and needs a policy and a sandbox."""
+
+    prompt_roles = ("bootstrap", "policy")
+    resources = ("llm", "sandbox")
+    kinds = frozenset({"python", "docker"})
+
+
+class MCTSTrajectories(SearchStage):
     """MCTS over code-augmented CoT on the batch's verified math problems (less the
     held-out split): the completed trajectories with per-step Q-values, and the node
     table of every tree (`mcts_nodes`)."""
@@ -147,15 +164,10 @@ class MCTSTrajectories(Stage):
     Params = SearchStageParams
     schema = schemas.MCTS_TRAJECTORIES
     secondary_outputs: ClassVar[dict[str, pa.Schema]] = {"nodes": schemas.MCTS_NODES}
-    prompt_roles = ("bootstrap", "policy")
-    resources = ("llm", "sandbox")
-    kinds = frozenset({"python", "docker"})
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = [
-            q for q in verified_math_problems(inputs) if not is_heldout(q["id"], p.heldout_fraction)
-        ][: p.max_problems]
+        problems = search_problems(inputs, p, heldout=False)
         models = SearchModels(
             self,
             ctx,

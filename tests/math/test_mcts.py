@@ -234,4 +234,6 @@ def test_many_trees_share_batches(sandbox):
     problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(6)]
     trees = search(problems, policy, sandbox, config, prompt=PROMPT)
     assert all(state(t) == state(trees[0]) for t in trees)
-    assert policy.batches[0] == 6 and max(policy.batches) == 6
+    # The trees move together, and the LLM waits the moment it takes for the trees still
+    # running code: every call carries all six.
+    assert policy.batches == [6] * len(policy.batches)
