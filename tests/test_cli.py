@@ -50,7 +50,7 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
     ).to_pylist()[0]
     assert counts["carried"] == counts["seeds"] == 50
     assert counts["code_problems"] == counts["code_rows"] >= 10
-    assert counts["candidates"] == 4 * counts["problems"]
+    assert counts["candidates"] == 3 * counts["problems"]
     assert counts["outcomes"] == counts["problems"]
     assert counts["oracle_labelled"] == 10  # every code seed is labelled by its oracle
     assert counts["solutions"] == counts["agreeing"]
