@@ -35,8 +35,8 @@ dev: $(VENV)/.installed
 	$(BIN)/dagster dev
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check rstar_pipelines sandbox benchmarks tests
-	$(BIN)/ruff format --check rstar_pipelines sandbox benchmarks tests
+	$(BIN)/ruff check rstar_pipelines sandbox kernels benchmarks tests
+	$(BIN)/ruff format --check rstar_pipelines sandbox kernels benchmarks tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -22,13 +22,12 @@ import json
 import time
 from pathlib import Path
 
-from rstar_sandbox import Result, Sandbox
-from rstar_sandbox.bench import machine
-
 from rstar_pipelines.llm import Completion
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END
 from rstar_pipelines.pipeline.prompts import PromptTemplate
+from rstar_sandbox import Result, Sandbox
+from rstar_sandbox.bench import machine
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -17,10 +17,9 @@ import argparse
 import random
 import time
 
+from rstar_pipelines.coder.verification import VerificationTask, mutual_verify_many
 from rstar_sandbox import Job, Sandbox
 from rstar_sandbox.bench import machine
-
-from rstar_pipelines.coder.verification import VerificationTask, mutual_verify_many
 
 TIMEOUT_S = 5.0
 MEMORY_MB = 256

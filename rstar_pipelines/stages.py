@@ -12,6 +12,7 @@ from rstar_pipelines.math.eval_stages import MCTSEvaluation
 from rstar_pipelines.math.search_stages import MCTSTrajectories, PreferencePairs, SFTDataset
 from rstar_pipelines.pipeline.stage import Stage
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
+from rstar_pipelines.training.gate_stages import AttnGateCheckpoint, GateDistillData
 from rstar_pipelines.training.stages import PolicyCheckpoint, PPMCheckpoint
 
 STAGES: dict[str, type[Stage]] = {
@@ -30,5 +31,7 @@ STAGES: dict[str, type[Stage]] = {
         PolicyCheckpoint,
         PPMCheckpoint,
         MCTSEvaluation,
+        GateDistillData,
+        AttnGateCheckpoint,
     )
 }

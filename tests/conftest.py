@@ -7,6 +7,12 @@ from pathlib import Path
 
 import pytest
 
+# Without a GPU, Triton kernels run in its interpreter. Triton reads this when triton.language
+# is first imported (its standard-library functions become interpreted ones then), and other
+# packages may import it early, so it is set here, before any test module is collected.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parent.parent
 SHARED_DATA = REPO.parent / "shared" / "data"
 DEMO_SEEDS = REPO / "assets" / "seeds" / "demo" / "demo.jsonl"

@@ -55,6 +55,7 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
     assert counts["oracle_labelled"] == 10  # every code seed is labelled by its oracle
     assert counts["solutions"] == counts["agreeing"]
     _check_rstar_math(isolated_dirs)
+    _check_seer_attention(isolated_dirs)
 
 
 def _check_rstar_math(data_dir: Path) -> None:
@@ -91,6 +92,30 @@ def _check_rstar_math(data_dir: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert query("select id from ppm_pairs order by id").column("id").to_pylist() == before
+
+
+def _check_seer_attention(data_dir: Path) -> None:
+    """The demo's gates for the embedded model: trained (held-out recall rises), reloadable,
+    and sparse decoding with a budget that covers the context generates what dense does."""
+    from rstar_kernels import SeerGates
+
+    texts = query("select count(*) n from gate_distill_data").column("n")[0].as_py()
+    gate = query("select * from attn_gate_checkpoint").to_pylist()[0]
+    assert texts >= 10 and Path(gate["path"]).is_relative_to(data_dir)
+    assert gate["heldout_recall_after"] > gate["heldout_recall_before"]
+    assert SeerGates.load(gate["path"]).config.num_layers == 30
+
+    prompt = [{"role": "user", "content": "Count from one to twenty in words, comma-separated."}]
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    dense = load_llm("transformers", "embedded").generate([prompt], greedy)[0][0]
+    sparse = load_llm(
+        "transformers",
+        "embedded",
+        sparse_attention="seer",
+        gate_checkpoint=gate["path"],
+        token_budget=4096,
+    ).generate([prompt], greedy)[0][0]
+    assert sparse.text == dense.text and dense.completion_tokens == 24
 
 
 def test_query_errors_are_clear(isolated_dirs):

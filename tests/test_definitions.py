@@ -64,4 +64,5 @@ def test_sensors_and_schedule_are_declared_running():
         "seed_catalog",
         "ppm_pairs",
         "sft_dataset",
+        "gate_distill_data",
     }

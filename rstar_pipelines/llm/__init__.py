@@ -34,7 +34,10 @@ __all__ = [
 def load_llm(backend: str = "transformers", model: str | None = None, **options: Any) -> LLM:
     """Build an LLM.
 
-    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype.
+    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype, and for
+      SeerAttention-R sparse decoding sparse_attention="seer", gate_checkpoint (a SeerGates.save
+      directory), token_budget (default 4096) or sparse_threshold, sparse_backend ("torch",
+      "triton", "tilelang"; default "triton" on CUDA, else "torch").
     - openai: options base_url (required, e.g. http://127.0.0.1:8000/v1), api_key, max_concurrency,
       max_retries, timeout; `model` defaults to the first model the server lists.
     - vllm: `model` is required (a Hugging Face id or directory); options go to `vllm.LLM`.

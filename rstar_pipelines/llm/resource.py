@@ -2,8 +2,12 @@
 
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
-RSTAR_LLM_BASE_URL and RSTAR_LLM_API_KEY (openai backend). Reading them at use time, not at
-import, lets one `Definitions` object serve a laptop and a GPU cluster.
+RSTAR_LLM_BASE_URL and RSTAR_LLM_API_KEY (openai backend), RSTAR_SPARSE_ATTENTION and
+RSTAR_GATE_CHECKPOINT (SeerAttention-R sparse decoding, transformers and vllm backends).
+Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
+cluster.
+Sparse settings are part of `model_id`, so completions cached from dense decoding are not reused
+for sparse decoding (or across budgets or gates).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from . import LLM, load_llm
+from .sparse import SeerSettings
 
 
 class LLMResource(dg.ConfigurableResource):
@@ -28,6 +33,12 @@ class LLMResource(dg.ConfigurableResource):
     max_concurrency: int | None = None
     device: str | None = None
     dtype: str | None = None
+    # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
+    # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.
+    sparse_attention: str | None = None
+    gate_checkpoint: str | None = None
+    token_budget: int | None = None
+    sparse_threshold: float | None = None
 
     _clients: dict[tuple[str, str | None], LLM] = PrivateAttr(default_factory=dict)
 
@@ -41,7 +52,8 @@ class LLMResource(dg.ConfigurableResource):
     def model_id(self, model: str | None = None) -> str:
         """ "backend:model" for `model` as get_llm would resolve it, without loading it."""
         backend, resolved = self._resolve(model)
-        return f"{backend}:{resolved or 'server-default'}"
+        seer = self._seer(backend)
+        return f"{backend}:{resolved or 'server-default'}" + (seer.tag if seer else "")
 
     def model_name(self, model: str | None = None) -> str | None:
         """The model `model` resolves to (a role's model, else the resource's default)."""
@@ -55,7 +67,23 @@ class LLMResource(dg.ConfigurableResource):
             self._clients[key] = load_llm(backend, model, **self._options(backend))
         return self._clients[key]
 
+    def _seer(self, backend: str) -> SeerSettings | None:
+        """The sparse decoding settings (env fallbacks included), None for dense decoding."""
+        seer = SeerSettings.from_options(
+            self.sparse_attention or os.environ.get("RSTAR_SPARSE_ATTENTION") or None,
+            self.gate_checkpoint or os.environ.get("RSTAR_GATE_CHECKPOINT") or None,
+            self.token_budget,
+            self.sparse_threshold,
+        )
+        if seer is not None and backend == "openai":
+            raise ValueError(
+                "sparse_attention='seer' runs in-process (transformers or vllm backend); an "
+                "openai server chooses its own attention"
+            )
+        return seer
+
     def _options(self, backend: str) -> dict[str, Any]:
+        seer = self._seer(backend)
         if backend == "transformers":
             options = {"batch_size": self.batch_size, "device": self.device, "dtype": self.dtype}
         elif backend == "openai":
@@ -68,4 +96,11 @@ class LLMResource(dg.ConfigurableResource):
                 raise ValueError("the openai LLM backend needs base_url (or RSTAR_LLM_BASE_URL)")
         else:
             options = {"dtype": self.dtype}
+        if seer is not None:
+            options.update(
+                sparse_attention="seer",
+                gate_checkpoint=seer.gate_checkpoint,
+                token_budget=seer.token_budget,
+                sparse_threshold=seer.threshold,
+            )
         return {name: value for name, value in options.items() if value is not None}

@@ -9,10 +9,21 @@ What to know about its behaviour:
   whole call, seeded with `params.seed`: the same seed, prompts, params and batch_size give the same
   completions.
 - Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
+- Sampling n > 1 completions prefills each prompt once (all its tokens but the last) and copies
+  that key/value cache n times, instead of letting generate() copy the prompt n times before the
+  prefill; models whose cache is not plain full attention (sliding windows, recurrent states) keep
+  generate()'s own copying. Samples are drawn as before, from the same distribution.
 - Stop strings are looked for in the generated text only, as vLLM and OpenAI servers do
   (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
   as "\\n\\n" after a prompt ending in "\\n").
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
+- `sparse_attention="seer"` decodes with SeerAttention-R block-sparse attention (prefill stays
+  dense), with the trained gates in `gate_checkpoint` and `token_budget` tokens per step (default
+  4096) or the blocks above `sparse_threshold`; `sparse_backend` picks the kernel ("triton" on
+  CUDA, else "torch"). Such a model is loaded as its own copy, cached under its sparse settings,
+  so dense instances of the same model never see the switched attention, and generate() calls
+  need no lock. The cost is a second copy of the weights when one process uses the same model
+  both ways.
 """
 
 from __future__ import annotations
@@ -24,11 +35,13 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .embedded import embedded_model_path
+from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
 
-_loaded: dict[tuple[str, str | None, str, str], tuple[Any, Any]] = {}
+_loaded: dict[tuple[str, str | None, str, str, SeerSettings | None], tuple[Any, Any]] = {}
 _loading = threading.Lock()
 
 
@@ -47,12 +60,18 @@ def _resolve(model: str) -> tuple[str, str | None]:
 
 
 def load_model_and_tokenizer(
-    model: str = "embedded", device: str | None = None, dtype: str = "auto"
+    model: str = "embedded",
+    device: str | None = None,
+    dtype: str = "auto",
+    seer: SeerSettings | None = None,
 ) -> tuple[Any, Any]:
-    """Load (or take from this process's cache) a causal LM and its tokenizer."""
+    """Load (or take from this process's cache) a causal LM and its tokenizer; with `seer`, a
+    copy of its own switched to sparse decoding."""
     source, gguf_file = _resolve(model)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    key = (source, gguf_file, device, dtype)
+    if seer is not None:
+        seer = seer.with_backend("triton" if device.startswith("cuda") else "torch")
+    key = (source, gguf_file, device, dtype, seer)
     with _loading:
         if key not in _loaded:
             extra = {"gguf_file": gguf_file} if gguf_file else {}
@@ -60,7 +79,10 @@ def load_model_and_tokenizer(
             loaded = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **extra
             )
-            _loaded[key] = (loaded.to(device).eval(), tokenizer)
+            loaded = loaded.to(device).eval()
+            if seer is not None:
+                seer.enable(loaded, model)
+            _loaded[key] = (loaded, tokenizer)
         return _loaded[key]
 
 
@@ -90,12 +112,20 @@ class TransformersLLM:
         batch_size: int = 8,
         device: str | None = None,
         dtype: str = "auto",
+        sparse_attention: str | None = None,
+        gate_checkpoint: str | None = None,
+        token_budget: int | None = None,
+        sparse_threshold: float | None = None,
+        sparse_backend: str | None = None,
     ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
-        self.name = f"transformers:{model}"
+        seer = SeerSettings.from_options(
+            sparse_attention, gate_checkpoint, token_budget, sparse_threshold, sparse_backend
+        )
+        self.name = f"transformers:{model}" + (seer.tag if seer else "")
         self.batch_size = batch_size
-        self._model, self._tokenizer = load_model_and_tokenizer(model, device, dtype)
+        self._model, self._tokenizer = load_model_and_tokenizer(model, device, dtype, seer)
         config, tokenizer = self._model.generation_config, self._tokenizer
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
@@ -141,7 +171,6 @@ class TransformersLLM:
             "max_new_tokens": params.max_tokens,
             "pad_token_id": self._pad_id,
             "do_sample": sample,
-            "num_return_sequences": copies,
         }
         if sample:
             options.update(temperature=params.temperature, top_p=params.top_p)
@@ -149,6 +178,15 @@ class TransformersLLM:
             stop = _StopOnGeneratedText(self._tokenizer, params.stop, width)
             options["stopping_criteria"] = StoppingCriteriaList([stop])
         with torch.inference_mode():
+            cache = self._shared_prefill(input_ids, attention_mask) if copies > 1 else None
+            if cache is None:
+                options["num_return_sequences"] = copies
+            else:
+                # Row i's copies sit at i * copies + j, as num_return_sequences would place them.
+                cache.batch_repeat_interleave(copies)
+                input_ids = input_ids.repeat_interleave(copies, dim=0)
+                attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+                options["cache"] = cache
             output = self._model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **options
             )
@@ -160,6 +198,34 @@ class TransformersLLM:
             ]
             grouped.append(completions if sample else completions * params.n)
         return grouped
+
+    def _shared_prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> DynamicCache | None:
+        """The key/value cache of every prompt token but the last, computed once per prompt.
+
+        generate() given this cache (repeated per copy) and the full input_ids runs only the last
+        prompt token, so n samples of a prompt share one prefill instead of computing it n times.
+        None where that does not apply: one-token prompts (nothing to share) and models whose
+        cache is not plain full-attention keys and values (sliding windows, recurrent states).
+        """
+        if input_ids.shape[1] < 2:
+            return None
+        cache = DynamicCache(config=self._model.config)
+        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+            return None
+        mask = attention_mask[:, :-1]
+        # The positions generate() gives a left-padded batch: each prompt counts from 0.
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+        # The decoder alone: the prefill needs no logits.
+        self._model.get_decoder()(
+            input_ids=input_ids[:, :-1],
+            attention_mask=mask,
+            position_ids=positions,
+            cache=cache,
+            use_cache=True,
+        )
+        return cache
 
     def _completion(
         self, generated: list[int], prompt_tokens: int, stop: Sequence[str]

@@ -6,22 +6,45 @@ Written against vLLM's documented offline API (`LLM(model=..., **engine_kwargs)`
 and NOT run here: the machine it was written on has no GPU and no vLLM. Only the mapping of vLLM's
 outputs to `Completion` (`_to_completion`) is tested, on stand-ins of vLLM's output objects.
 
+With `sparse_attention="seer"` the engine runs SeerAttention-R sparse decoding: the plugin of
+`rstar_kernels` (entry point `vllm.general_plugins`) registers it as vLLM's CUSTOM attention
+backend, and `seer_engine_options` selects it (block size = the gate's, eager mode) and hands the
+gate checkpoint and budget to vLLM's workers through the environment. Also not run here.
+
 vLLM already strips the matched stop string from the text and reports it as `stop_reason`
 (None when the completion ended with EOS; an int for a stop token id, which we do not send).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat
 
 
 class VllmLLM:
     """An LLM running in this process on vLLM; `engine_kwargs` go to `vllm.LLM` as they are."""
 
-    def __init__(self, model: str, **engine_kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        sparse_attention: str | None = None,
+        gate_checkpoint: str | None = None,
+        token_budget: int | None = None,
+        sparse_threshold: float | None = None,
+        **engine_kwargs: Any,
+    ):
+        seer = SeerSettings.from_options(
+            sparse_attention, gate_checkpoint, token_budget, sparse_threshold
+        )
+        if seer is not None:
+            engine_kwargs = {**engine_kwargs, **seer_engine_options(seer)}
         import vllm
 
         self.name = f"vllm:{model}"
@@ -58,6 +81,27 @@ class VllmLLM:
                 render_chat(tokenizer, prompt), add_special_tokens=False
             )
         }
+
+
+def seer_engine_options(seer: SeerSettings) -> dict[str, Any]:
+    """`vllm.LLM` options for SeerAttention-R decoding; sets the environment that
+    `rstar_kernels.vllm_backend` reads in vLLM's worker processes."""
+    os.environ["RSTAR_GATE_CHECKPOINT"] = seer.gate_checkpoint
+    for name, value in (
+        ("RSTAR_SEER_TOKEN_BUDGET", seer.token_budget),
+        ("RSTAR_SEER_THRESHOLD", seer.threshold),
+        ("RSTAR_SEER_KERNEL", seer.backend),
+    ):
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = str(value)
+    config = json.loads((Path(seer.gate_checkpoint) / "gate_config.json").read_text())
+    return {
+        "attention_backend": "CUSTOM",
+        "block_size": config["block_size"],
+        "enforce_eager": True,
+    }
 
 
 def _to_completion(output: Any, prompt_tokens: int) -> Completion:

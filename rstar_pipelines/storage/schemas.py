@@ -268,3 +268,37 @@ MCTS_EVAL = pa.schema(
         ("policy", pa.string()),
     ]
 )
+
+# -- SeerAttention-R: gate self-distillation --------------------------------------------
+
+GATE_DISTILL_DATA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("source", pa.string()),  # "verified_solutions", "seed_problems" or "file"
+        ("problem_id", pa.string()),
+        ("domain", pa.string()),
+        # Exactly one of the two: a plain text, or chat messages that the trainer renders
+        # with the base model's own chat template.
+        ("text", pa.string()),
+        ("messages", pa.list_(MESSAGE)),
+    ]
+)
+
+GATE_CHECKPOINT = pa.schema(
+    [
+        ("id", pa.string()),
+        ("path", pa.string()),  # a SeerGates directory: gate_config.json + safetensors
+        ("base_model", pa.string()),
+        ("examples", pa.int64()),
+        ("heldout_examples", pa.int64()),
+        ("steps", pa.int64()),
+        ("final_loss", pa.float64()),
+        ("block_size", pa.int64()),
+        ("gate_dim", pa.int64()),
+        ("topk_blocks", pa.int64()),
+        ("heldout_recall_before", pa.float64()),  # the untrained gates
+        ("heldout_recall_after", pa.float64()),
+        ("seconds", pa.float64()),
+        ("run_id", pa.string()),
+    ]
+)

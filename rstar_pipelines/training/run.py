@@ -1,11 +1,14 @@
 """The training process: `python -m rstar_pipelines.training.run CONFIG.json`.
 
-CONFIG.json holds `job` ("ppm" or "sft"), `base_model` (the policy to start from: "embedded", a
-.gguf file or a Hugging Face directory), `data` (a Parquet file: preference pairs with prompt,
-chosen, rejected, pos_count, neg_count for "ppm"; chat examples with `messages` for "sft"),
-`output_dir`, `train` (PPMTrainConfig or SFTTrainConfig fields) and optionally `num_threads`.
+CONFIG.json holds `job` ("ppm", "sft" or "gate"), `base_model` (the policy to start from:
+"embedded", a .gguf file or a Hugging Face directory; a gate job keeps it frozen), `data` (a
+Parquet file: preference pairs with prompt, chosen, rejected, pos_count, neg_count for "ppm"; chat
+examples with `messages` for "sft"; texts for "gate": a `text` column, and optionally `messages`
+for the rows whose text is null, rendered with the model's chat template), `output_dir`, `train`
+(PPMTrainConfig, SFTTrainConfig or GateTrainSettings fields) and optionally `num_threads`.
 
-It writes the checkpoint (a Hugging Face directory) and `training_metrics.json` to output_dir.
+It writes the checkpoint (a Hugging Face directory; for "gate", a SeerGates directory) and
+`training_metrics.json` to output_dir.
 Launched by Dagster Pipes, it reports progress to the run's logs; otherwise it logs to stderr.
 Bad input (config, data file, columns) is refused before any model loads, with exit status 2.
 """
@@ -23,14 +26,18 @@ import pyarrow.parquet as pq
 from dagster_pipes import PipesContext, open_dagster_pipes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rstar_pipelines.training.gate import GateTrainSettings, train_gate_job
 from rstar_pipelines.training.ppm import PPMTrainConfig
 from rstar_pipelines.training.sft import SFTTrainConfig
 
 COLUMNS = {
     "ppm": ("prompt", "chosen", "rejected", "pos_count", "neg_count"),
     "sft": ("messages",),
+    "gate": ("text",),
 }
-TRAIN_CONFIGS = {"ppm": PPMTrainConfig, "sft": SFTTrainConfig}
+OPTIONAL_COLUMNS = {"gate": ("messages",)}
+TRAIN_CONFIGS = {"ppm": PPMTrainConfig, "sft": SFTTrainConfig, "gate": GateTrainSettings}
+TrainSettings = PPMTrainConfig | SFTTrainConfig | GateTrainSettings
 METRICS_FILE = "training_metrics.json"
 
 
@@ -43,7 +50,7 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: Literal["ppm", "sft"]
+    job: Literal["ppm", "sft", "gate"]
     base_model: str
     data: Path
     output_dir: Path
@@ -51,7 +58,7 @@ class RunConfig(BaseModel):
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
 
 
-def read_config(path: Path) -> tuple[RunConfig, PPMTrainConfig | SFTTrainConfig]:
+def read_config(path: Path) -> tuple[RunConfig, TrainSettings]:
     if not path.is_file():
         raise BadInput(f"config file not found: {path}")
     try:
@@ -75,15 +82,20 @@ def read_rows(config: RunConfig) -> list[dict]:
             f"{config.data} lacks the column(s) {', '.join(missing)} that a {config.job} job "
             f"needs (it has {', '.join(names)})"
         )
-    rows = pq.read_table(config.data, columns=list(COLUMNS[config.job])).to_pylist()
+    optional = [c for c in OPTIONAL_COLUMNS.get(config.job, ()) if c in names]
+    rows = pq.read_table(config.data, columns=[*COLUMNS[config.job], *optional]).to_pylist()
     if not rows:
         raise BadInput(f"{config.data} has no rows")
+    if config.job == "gate":
+        empty = [i for i, r in enumerate(rows) if r["text"] is None and not r.get("messages")]
+        if empty:
+            raise BadInput(f"{config.data}: rows {empty[:10]} have neither text nor messages")
     return rows
 
 
 def train(
     config: RunConfig,
-    train_config: PPMTrainConfig | SFTTrainConfig,
+    train_config: TrainSettings,
     rows: list[dict],
     log: Callable[[str], Any],
 ) -> dict:
@@ -92,6 +104,10 @@ def train(
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    if config.job == "gate":
+        metrics = train_gate_job(config.base_model, config.output_dir, train_config, rows, log)
+        log(f"saved the gates to {config.output_dir}")
+        return metrics
     torch.manual_seed(train_config.seed)  # the PPM's new head is drawn at random
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"loading {config.base_model} for a {config.job} job on {device}")

@@ -1,4 +1,5 @@
-"""Stage kinds that train: ppm_checkpoint and policy_checkpoint.
+"""Stage kinds that train: ppm_checkpoint and policy_checkpoint (attn_gate_checkpoint, in
+gate_stages.py, is one more).
 
 Training runs in its own process (`python -m rstar_pipelines.training.run`, launched
 through Dagster Pipes), so an out-of-memory kill fails the step, not the run. The
@@ -53,9 +54,15 @@ class TrainingStage(Stage):
     kinds = frozenset({"pytorch"})
     job: ClassVar[str]
     data_input: ClassVar[str]
+    # How to get training data when data_input is empty.
+    empty_hint: ClassVar[str] = "search more problems, or with more rollouts, to get some"
 
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
         raise NotImplementedError
+
+    def checkpoint_name(self) -> str:
+        """The folder under <data>/checkpoints/ that holds one checkpoint per run."""
+        return f"{self.job}-r{self.params.round}"
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
@@ -63,13 +70,13 @@ class TrainingStage(Stage):
         if data.num_rows == 0:
             raise StageInputError(
                 f"{self.data_input} is empty: there is nothing to train the {self.job} on "
-                "(search more problems, or with more rollouts, to get some)"
+                f"({self.empty_hint})"
             )
         base = self.base_model(ctx, inputs)
         out = (
             settings.data_dir()
             / "checkpoints"
-            / f"{self.job}-r{p.round}"
+            / self.checkpoint_name()
             / (ctx.run_id or time.strftime("%Y%m%d-%H%M%S"))
         )
         out.mkdir(parents=True, exist_ok=True)

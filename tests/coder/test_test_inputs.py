@@ -4,7 +4,6 @@ import os
 from pathlib import Path
 
 import pytest
-from rstar_sandbox import Sandbox
 
 from rstar_pipelines.coder.test_inputs import (
     DEFAULT_GRID,
@@ -14,6 +13,7 @@ from rstar_pipelines.coder.test_inputs import (
     scale_points,
 )
 from rstar_pipelines.pipeline.prompts import PromptTemplate
+from rstar_sandbox import Sandbox
 
 PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 

@@ -4,7 +4,6 @@ so the right answer is known."""
 import time
 
 import pytest
-from rstar_sandbox import RUNTIME_ERROR, TIMEOUT, Sandbox
 
 from rstar_pipelines.coder.verification import (
     CandidateVerdict,
@@ -14,6 +13,7 @@ from rstar_pipelines.coder.verification import (
     mutual_verify_many,
     normalize_output,
 )
+from rstar_sandbox import RUNTIME_ERROR, TIMEOUT, Sandbox
 from tests.sandbox.conftest import require_backend
 
 INPUTS = ["1 2\n", "10 -3\n", "0 0\n", "123456789 987654321\n"]

@@ -6,10 +6,14 @@ import time
 
 import pytest
 import torch
-from transformers import StopStringCriteria
+from transformers import AutoModelForCausalLM, MistralConfig, StopStringCriteria
 
 from rstar_pipelines.llm import LLM, SamplingParams, load_llm
-from rstar_pipelines.llm.transformers_backend import _StopOnGeneratedText, load_model_and_tokenizer
+from rstar_pipelines.llm.transformers_backend import (
+    TransformersLLM,
+    _StopOnGeneratedText,
+    load_model_and_tokenizer,
+)
 from rstar_pipelines.llm.types import render_chat
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -125,3 +129,112 @@ def test_stop_string_is_looked_for_in_generated_text_only():
 def test_empty_prompt_is_refused(embedded_llm):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         embedded_llm.generate(["x", ""], GREEDY)
+
+
+# Sampling n completions per prompt prefills each prompt once and copies its cache n times.
+MIXED = [*PROMPTS, SAY_HI]
+
+
+def _prompt_ids(prompt) -> list[int]:
+    _, tokenizer = load_model_and_tokenizer("embedded")
+    if isinstance(prompt, str):
+        return tokenizer(prompt)["input_ids"]
+    return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"]
+
+
+def test_sampled_copies_share_one_prefill(embedded_llm):
+    lengths = []
+    decoder = embedded_llm._model.get_decoder()
+    hook = decoder.register_forward_pre_hook(
+        lambda _, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    try:
+        params = SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=0)
+        results = embedded_llm.generate(MIXED, params)
+    finally:
+        hook.remove()
+    width = max(len(_prompt_ids(prompt)) for prompt in MIXED)
+    # The prompts once, all but their last token; then every copy one token at a time.
+    assert lengths[0] == (len(MIXED), width - 1)
+    assert set(lengths[1:]) == {(3 * len(MIXED), 1)}
+    assert [len(samples) for samples in results] == [3] * len(MIXED)
+
+
+def test_sampling_logits_equal_a_plain_forward_per_prompt(embedded_llm, monkeypatch):
+    model = embedded_llm._model
+    original = model.generate
+    seen = {}
+
+    def generate_keeping_logits(**kwargs):
+        out = original(**kwargs, output_logits=True, return_dict_in_generate=True)
+        seen.update(sequences=out.sequences, logits=out.logits)
+        return out.sequences
+
+    monkeypatch.setattr(model, "generate", generate_keeping_logits)
+    n = 2
+    embedded_llm.generate(MIXED, SamplingParams(n=n, temperature=1.0, max_tokens=2, seed=0))
+    prompts = [_prompt_ids(prompt) for prompt in MIXED]
+    width = max(len(ids) for ids in prompts)
+    generated = seen["sequences"][:, width:].tolist()
+    # The first two steps of every copy, against each prompt (plus its sampled token) run alone,
+    # unpadded and uncached.
+    for step in range(2):
+        for row, tokens in enumerate(generated):
+            ids = prompts[row // n] + tokens[:step]
+            with torch.inference_mode():
+                expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            torch.testing.assert_close(seen["logits"][step][row], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_near_zero_temperature_samples_equal_greedy(embedded_llm):
+    # A left-padded batch of different lengths, with stop strings that end some completions.
+    greedy = GREEDY.model_copy(update={"max_tokens": 16, "stop": (".", "\n\n")})
+    expected = embedded_llm.generate(MIXED, greedy)
+    sampled = embedded_llm.generate(
+        MIXED, greedy.model_copy(update={"temperature": 1e-4, "n": 3, "seed": 0})
+    )
+    assert sampled == [samples * 3 for samples in expected]
+    assert any(samples[0].finish_reason == "stop" for samples in expected)
+
+
+def test_sampled_copies_honour_stop_strings(embedded_llm):
+    stops = (".", "\n")
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=24, stop=stops, seed=0)
+    results = embedded_llm.generate(MIXED, params)
+    completions = [c for samples in results for c in samples]
+    assert [len(samples) for samples in results] == [4] * len(MIXED)
+    assert all(not any(s in c.text for s in stops) for c in completions)
+    assert all((c.finish_reason == "stop") == (c.stop_string in stops) for c in completions)
+    assert sum(c.finish_reason == "stop" for c in completions) > len(completions) // 2
+
+
+def test_one_token_prompts_sample_n_copies(embedded_llm):
+    # Nothing to share before the last token: generate() expands the batch itself.
+    [[greedy]] = embedded_llm.generate(["x"], GREEDY.model_copy(update={"max_tokens": 6}))
+    assert greedy.prompt_tokens == 1
+    params = SamplingParams(n=3, temperature=1e-4, max_tokens=6, seed=0)
+    assert embedded_llm.generate(["x"], params) == [[greedy] * 3]
+
+
+def test_sliding_window_model_samples_n_copies(tmp_path):
+    # A cache of sliding-window layers is not shared; generate() expands the batch itself.
+    _, tokenizer = load_model_and_tokenizer("embedded")
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        sliding_window=4,
+        initializer_range=0.5,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = TransformersLLM(str(tmp_path))
+    greedy = GREEDY.model_copy(update={"max_tokens": 8})
+    expected = llm.generate(PROMPTS, greedy)
+    sampled = llm.generate(PROMPTS, greedy.model_copy(update={"temperature": 1e-4, "n": 3}))
+    assert sampled == [samples * 3 for samples in expected]
+    assert len({samples[0].text for samples in expected}) > 1

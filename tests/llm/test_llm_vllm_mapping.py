@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -33,3 +34,26 @@ def test_output_mapping(output, expected):
 def test_aborted_output_is_an_error():
     with pytest.raises(RuntimeError, match="finish_reason='abort'"):
         _to_completion(vllm_output("abort"), prompt_tokens=7)
+
+
+def test_seer_engine_options(tmp_path, monkeypatch):
+    from importlib.metadata import entry_points
+
+    from rstar_pipelines.llm.sparse import SeerSettings
+    from rstar_pipelines.llm.vllm_backend import seer_engine_options
+
+    names = ("RSTAR_GATE_CHECKPOINT", "RSTAR_SEER_TOKEN_BUDGET", "RSTAR_SEER_THRESHOLD")
+    for name in (*names, "RSTAR_SEER_KERNEL"):
+        # setenv first, so that monkeypatch restores (removes) what the options set
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    (tmp_path / "gate_config.json").write_text('{"block_size": 32}')
+    options = seer_engine_options(SeerSettings(str(tmp_path), token_budget=2048))
+    assert options == {"attention_backend": "CUSTOM", "block_size": 32, "enforce_eager": True}
+    assert os.environ["RSTAR_GATE_CHECKPOINT"] == str(tmp_path.resolve())
+    assert os.environ["RSTAR_SEER_TOKEN_BUDGET"] == "2048"
+    assert "RSTAR_SEER_THRESHOLD" not in os.environ
+    # vLLM finds the plugin through the installed package's entry point.
+    (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rstar_seer"]
+    assert plugin.value == "rstar_kernels.vllm_plugin:register"
+    assert callable(plugin.load())

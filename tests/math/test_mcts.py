@@ -7,12 +7,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from rstar_sandbox import Sandbox
 
 from rstar_pipelines.llm import Completion
 from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
+from rstar_sandbox import Sandbox
 
 PREFIX = "Question: What is 2 + 3?\n"
 A = "<code>\n# Step 1: add the two numbers\nx = 2 + 3" + STEP_END

@@ -1,6 +1,7 @@
 import os
 
 import pytest
+
 from rstar_sandbox import Sandbox, docker_available
 
 

@@ -8,10 +8,10 @@ import sys
 import time
 
 import pytest
+
 from rstar_sandbox import Job, Sandbox
 from rstar_sandbox.pool import docker_client
 from rstar_sandbox.workers import OWNER_LABEL
-
 from tests.sandbox.conftest import require_backend
 
 

@@ -15,7 +15,6 @@ from rstar_sandbox import (
     Job,
     Sandbox,
 )
-
 from tests.conftest import host_processes_matching
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"

@@ -1,0 +1,181 @@
+"""gate_distill_data and attn_gate_checkpoint through Dagster: the gates are really trained, out of
+process, on the tiny random Llama; the training process's gate job refuses bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import subprocess
+import sys
+
+import dagster as dg
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rstar_kernels.distill import GateTrainConfig
+from rstar_kernels.gate import SeerGates
+from rstar_pipelines import settings
+from rstar_pipelines.definitions import build_definitions, load_spec
+from rstar_pipelines.storage import query, schemas
+from rstar_pipelines.storage.parquet_io import write_table
+from rstar_pipelines.training.gate import GateTrainSettings
+from tests.conftest import REPO
+
+
+def _solution(i: int) -> str:
+    steps = " ".join(f"Step {s}: {i} + {s} = {i + s}, so we carry {i * s % 7}." for s in range(12))
+    return f"{steps} The answer is {i + 11}."
+
+
+def _write_upstream(batch: str) -> None:
+    solutions = [
+        {
+            "id": f"v{i}",
+            "problem_id": f"p{i}",
+            "candidate_id": f"c{i}",
+            "batch": batch,
+            "domain": "math",
+            "problem": f"What is {i} + 11?",
+            "solution": _solution(i),
+            "program": None,
+            "answer": str(i + 11),
+            "messages": [
+                {"role": "user", "content": f"What is {i} + 11?"},
+                {"role": "assistant", "content": _solution(i)},
+            ],
+            "verification_info": None,
+            "agreement": 1.0,
+            "label_source": "given",
+            "cpu_s": 0.0,
+            "model": "m",
+        }
+        for i in range(5)
+    ]
+    seeds = [
+        {
+            "id": f"s{i}",
+            "batch": batch,
+            "domain": domain,
+            "problem": f"Print the sum of the numbers 1 to {i + 3}.",
+            "answer": None,
+            "oracle_solutions": oracle,
+            "examples": [],
+            "time_limit_s": None,
+            "source_file": "demo.jsonl",
+            "source_line": i,
+        }
+        for i, (domain, oracle) in enumerate(
+            [("code", ["print(sum(range(1, 4)))\n", "print(6)"]), ("math", [])]
+        )
+    ]
+    lake = settings.lake_dir()
+    write_table(
+        pa.Table.from_pylist(solutions, schema=schemas.VERIFIED_SOLUTIONS),
+        lake / "verified_solutions" / f"{batch}.parquet",
+    )
+    write_table(
+        pa.Table.from_pylist(seeds, schema=schemas.SEED_PROBLEMS),
+        lake / "seed_problems" / f"{batch}.parquet",
+    )
+
+
+def test_gate_checkpoint_trains_and_reloads(tmp_path, tiny_base):
+    text = (REPO / "assets" / "pipeline.yaml").read_text()
+    text = text.replace("  policy: null", f"  policy: {tiny_base}")
+    assert "      train:\n        steps: 30\n" in text
+    text = text.replace("      train:\n        steps: 30\n", "      train:\n        steps: 12\n")
+    text = text.replace(
+        "    upstream: [verified_solutions, seed_problems]\n",
+        "    upstream: [verified_solutions, seed_problems]\n    params:\n"
+        "      text_file: extra/texts.jsonl\n",
+    )
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(text)
+    spec = load_spec(path)
+    defs = build_definitions(spec)
+    _write_upstream("b1")
+    extra = settings.data_dir() / "extra" / "texts.jsonl"
+    extra.parent.mkdir(parents=True)
+    extra.write_text(json.dumps({"text": _solution(9) * 2}) + "\n\n")
+
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("seed_batches", ["b1"])
+        result = dg.materialize(
+            list(defs.assets),
+            selection=["gate_distill_data", "attn_gate_checkpoint"],
+            instance=instance,
+            resources=dict(defs.resources),
+        )
+        assert result.success
+        event = instance.get_latest_materialization_event(dg.AssetKey("attn_gate_checkpoint"))
+        assert "loss_curve" in event.asset_materialization.metadata
+
+    data = query("select id, source, text, messages from gate_distill_data order by id").to_pylist()
+    assert [(r["id"], r["source"]) for r in data] == [
+        ("s0:oracle", "seed_problems"),  # the code seed's first oracle solution
+        ("texts.jsonl:1", "file"),
+        *[(f"v{i}", "verified_solutions") for i in range(5)],
+    ]
+    assert data[0]["messages"][1]["content"] == "```python\nprint(sum(range(1, 4)))\n```"
+    assert data[1]["text"] == _solution(9) * 2 and data[1]["messages"] is None
+
+    row = query("select * from attn_gate_checkpoint").to_pylist()[0]
+    assert row["base_model"] == tiny_base and row["steps"] == 12
+    assert (row["examples"], row["heldout_examples"]) == (6, 1)  # 7 texts, 20% held out
+    assert (row["block_size"], row["gate_dim"], row["topk_blocks"]) == (16, 64, 4)
+    assert math.isfinite(row["final_loss"])
+    assert 0 <= row["heldout_recall_before"] <= 1 and 0 <= row["heldout_recall_after"] <= 1
+    gates = SeerGates.load(row["path"])
+    assert (gates.config.family, gates.config.num_layers, gates.config.base_model) == (
+        "llama",
+        2,
+        tiny_base,
+    )
+    metrics = json.loads((settings.data_dir() / row["path"] / "training_metrics.json").read_text())
+    assert metrics["job"] == "gate" and len(metrics["losses"]) == 12
+    assert metrics["skipped_short"] == 0
+    assert metrics["losses"][-1] == row["final_loss"]
+
+
+def test_settings_mirror_the_kernel_config():
+    fields = {f.name: f.default for f in dataclasses.fields(GateTrainConfig)}
+    declared = {name: f.default for name, f in GateTrainSettings.model_fields.items()}
+    assert declared == fields
+    assert GateTrainConfig(**GateTrainSettings().model_dump()) == GateTrainConfig()
+    with pytest.raises(ValueError, match="max_length must exceed block_size"):
+        GateTrainSettings(max_length=16, block_size=16)
+
+
+def _run_gate_job(tmp_path, rows: list[dict]) -> subprocess.CompletedProcess:
+    data = tmp_path / "texts.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), data)
+    config = tmp_path / "config.json"
+    config.write_text(
+        json.dumps(
+            {
+                "job": "gate",
+                "base_model": "absent-model-dir",  # never loaded: the input is refused first
+                "data": str(data),
+                "output_dir": str(tmp_path / "out"),
+                "train": {"block_size": 16},
+            }
+        )
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "rstar_pipelines.training.run", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_gate_job_refuses_bad_data(tmp_path):
+    result = _run_gate_job(tmp_path, [{"body": "x"}])
+    assert result.returncode == 2 and "lacks the column(s) text" in result.stderr
+    rows = [{"text": "a", "messages": None}, {"text": None, "messages": None}]
+    result = _run_gate_job(tmp_path, rows)
+    assert result.returncode == 2 and "rows [1] have neither text nor messages" in result.stderr
+    assert not (tmp_path / "out").exists()
