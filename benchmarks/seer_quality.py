@@ -1,0 +1,116 @@
+"""How close SeerAttention-R sparse decoding stays to dense decoding on the embedded model, with
+gates trained as `attn_gate_checkpoint` trains them in the demo, against untrained gates.
+
+    python benchmarks/seer_quality.py [--steps 30] [--budgets 0 16 32 64 128]
+
+Texts: the demo batch's code seeds with their oracle solutions, rendered as chats (what
+`gate_distill_data` makes of them), 20% held out. Gates are trained with the demo's parameters
+(block 16, gate_dim 64). On every held-out text the first half is prefilled and the second half
+fed one token at a time (teacher forcing), each a sparse decode step; per step: KL(dense ‖
+sparse) of the next-token distributions and whether the top token agrees with dense. Prints
+Markdown for docs/benchmarks.md. Not a test: figures depend on the machine and the texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rstar_kernels.distill import GateTrainConfig, train_gates
+from rstar_kernels.gate import SeerGates
+from rstar_kernels.hf import enable_seer_decoding
+from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
+from rstar_sandbox.bench import machine
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def demo_texts(tokenizer) -> list[str]:
+    seeds = (REPO / "assets" / "seeds" / "demo" / "demo.jsonl").read_text().splitlines()
+    texts = []
+    for seed in map(json.loads, seeds):
+        if seed["domain"] == "code" and seed.get("oracle_solutions"):
+            solution = seed["oracle_solutions"][0].rstrip("\n")
+            chat = [
+                {"role": "user", "content": seed["problem"]},
+                {"role": "assistant", "content": f"```python\n{solution}\n```"},
+            ]
+            texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
+    return texts
+
+
+def teacher_forced_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Next-token logits at positions prefill-1 .. T-2: one prefill, then one token a step."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        out = model(input_ids=ids[None, :prefill], cache=cache, use_cache=True)
+        logits = [out.logits[0, -1]]
+        for t in range(prefill, ids.shape[0] - 1):
+            out = model(input_ids=ids[None, t : t + 1], cache=cache, use_cache=True)
+            logits.append(out.logits[0, -1])
+    return torch.stack(logits).float()
+
+
+def compare(dense: torch.Tensor, sparse: torch.Tensor) -> tuple[float, float]:
+    log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    agree = (dense.argmax(-1) == sparse.argmax(-1)).float().mean().item()
+    return kl, agree
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 16, 32, 64, 128])
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model, tokenizer = load_model_and_tokenizer("embedded", device="cpu")
+    texts = demo_texts(tokenizer)
+    config = GateTrainConfig(
+        steps=args.steps, warmup_steps=3, max_length=512, block_size=16, gate_dim=64,
+        heldout_fraction=0.2, topk_blocks=4, cache_teacher=True,
+    )  # fmt: skip
+    began = time.monotonic()
+    trained, metrics = train_gates(model, tokenizer, texts, config, lambda _: None)
+    train_s = time.monotonic() - began
+    torch.manual_seed(1)
+    untrained = SeerGates(trained.config)
+    # train_gates shuffles with the config's seed and holds out the first texts: the same here.
+    encoded = [torch.tensor(tokenizer(t)["input_ids"][: config.max_length]) for t in texts]
+    usable = [ids for ids in encoded if ids.shape[0] > config.block_size]
+    random.Random(config.seed).shuffle(usable)
+    heldout = usable[: metrics["heldout_examples"]]
+    dense = [teacher_forced_logits(model, ids, ids.shape[0] // 2) for ids in heldout]
+    steps = sum(d.shape[0] for d in dense)
+    lengths = [ids.shape[0] for ids in heldout]
+
+    print(f"machine: {machine()}")
+    print(
+        f"gates: {config.steps} steps on {metrics['examples']} texts in {train_s:.0f} s; held-out "
+        f"top-{config.topk_blocks} recall {metrics['heldout_recall_before']:.3f} -> "
+        f"{metrics['heldout_recall_after']:.3f}; held-out texts {lengths} tokens, "
+        f"{steps} decode steps\n"
+    )
+    print("| budget (tokens) | gates | KL(dense ‖ sparse) per step | top-1 agreement |")
+    print("| --- | --- | --- | --- |")
+    for budget in args.budgets:
+        for name, gates in (("trained", trained), ("untrained", untrained)):
+            rows = []
+            with enable_seer_decoding(model, gates, token_budget=budget, backend="torch"):
+                for ids, reference in zip(heldout, dense, strict=True):
+                    sparse = teacher_forced_logits(model, ids, ids.shape[0] // 2)
+                    rows.append((compare(reference, sparse), reference.shape[0]))
+            kl = sum(k * n for (k, _), n in rows) / steps
+            agree = sum(a * n for (_, a), n in rows) / steps
+            print(f"| {budget} | {name} | {kl:.4f} | {agree:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
