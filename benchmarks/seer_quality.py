@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import time
 from pathlib import Path
 
@@ -82,11 +81,10 @@ def main() -> None:
     train_s = time.monotonic() - began
     torch.manual_seed(1)
     untrained = SeerGates(trained.config)
-    # train_gates shuffles with the config's seed and holds out the first texts: the same here.
-    encoded = [torch.tensor(tokenizer(t)["input_ids"][: config.max_length]) for t in texts]
-    usable = [ids for ids in encoded if ids.shape[0] > config.block_size]
-    random.Random(config.seed).shuffle(usable)
-    heldout = usable[: metrics["heldout_examples"]]
+    heldout = [
+        torch.tensor(tokenizer(texts[i])["input_ids"][: config.max_length])
+        for i in metrics["heldout_texts"]
+    ]
     dense = [teacher_forced_logits(model, ids, ids.shape[0] // 2) for ids in heldout]
     steps = sum(d.shape[0] for d in dense)
     lengths = [ids.shape[0] for ids in heldout]

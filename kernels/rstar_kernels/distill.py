@@ -247,7 +247,8 @@ def train_gates(
 ) -> tuple[SeerGates, dict[str, Any]]:
     """Train fresh gates for the frozen `model` on `texts` (one text per step); returns the gates
     (their config records `base_model`, default the model's name or path) and the metrics
-    (losses per step, held-out top-k recall before and after training)."""
+    (losses per step, which texts were held out, held-out top-k recall before and after
+    training)."""
     began = time.monotonic()
     torch.manual_seed(config.seed)
     device = next(model.parameters()).device
@@ -263,7 +264,8 @@ def train_gates(
     )
     gates = SeerGates(gate_config).to(device)
     encoded = _tokenise(tokenizer, texts, config, device)
-    usable = [ids for ids in encoded if ids.shape[0] > config.block_size]
+    # (index into texts, token ids) of the texts long enough to have a target
+    usable = [(i, ids) for i, ids in enumerate(encoded) if ids.shape[0] > config.block_size]
     if not usable:
         raise ValueError(
             f"none of the {len(texts)} texts is longer than one block ({config.block_size} "
@@ -279,7 +281,7 @@ def train_gates(
     def teacher(index: int) -> list[Teacher]:
         if index in cache:
             return cache[index]
-        out = teacher_pass(model, usable[index], gate_config)
+        out = teacher_pass(model, usable[index][1], gate_config)
         if config.cache_teacher:
             cache[index] = out
         return out
@@ -315,6 +317,7 @@ def train_gates(
         "steps": config.steps,
         "examples": len(usable) - held,
         "heldout_examples": held,
+        "heldout_texts": [i for i, _ in usable[:held]],  # indices into texts
         "skipped_short": len(encoded) - len(usable),
         "topk_blocks": config.topk_blocks,
         "heldout_recall_before": before,

@@ -37,7 +37,7 @@ import torch
 
 from .cache import CompressedKeyCache
 from .gate import GateConfig, SeerGates, capture_pre_rope, decoder_layers
-from .selection import select_blocks
+from .selection import check_selection, select_blocks
 
 ATTENTION_NAME = "seer"
 # Fields of GateConfig that must equal the model's for the gates to fit it.
@@ -186,12 +186,7 @@ class SeerDecoding:
     def __init__(self, model, gates: SeerGates, *, token_budget, threshold, backend, start_layer):
         from . import BACKENDS
 
-        if (token_budget is None) == (threshold is None):
-            raise ValueError("seer decoding needs exactly one of token_budget and threshold")
-        if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 0):
-            raise ValueError(f"token_budget must be a non-negative int, got {token_budget!r}")
-        if threshold is not None and not 0.0 <= threshold < 1.0:
-            raise ValueError(f"threshold must be a probability in [0, 1), got {threshold!r}")
+        check_selection(token_budget, threshold)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         check_gates_fit(gates, model)

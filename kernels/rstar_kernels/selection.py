@@ -29,6 +29,16 @@ def _per_row(value: int | torch.Tensor, batch: int, name: str, device) -> torch.
     return value.to(device=device, dtype=torch.long)
 
 
+def check_selection(token_budget: int | None, threshold: float | None) -> None:
+    """Raise ValueError unless exactly one valid selection rule is given."""
+    if (token_budget is None) == (threshold is None):
+        raise ValueError("give exactly one of token_budget and threshold")
+    if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 0):
+        raise ValueError(f"token_budget must be a non-negative int, got {token_budget!r}")
+    if threshold is not None and not 0.0 <= threshold < 1.0:
+        raise ValueError(f"threshold must be a probability in [0, 1), got {threshold!r}")
+
+
 def select_blocks(
     logits: torch.Tensor,
     num_blocks: int | torch.Tensor,
@@ -45,18 +55,13 @@ def select_blocks(
     and the row's first block holding a valid (non-padding) token. Exactly one of token_budget
     (tokens) and threshold (a probability) is given.
     """
-    if (token_budget is None) == (threshold is None):
-        raise ValueError("give exactly one of token_budget and threshold")
+    check_selection(token_budget, threshold)
     if not isinstance(logits, torch.Tensor) or logits.dim() != 3:
         raise ValueError(
             f"logits must be a [B, H_kv, N] tensor, got {getattr(logits, 'shape', logits)}"
         )
     if not isinstance(block_size, int) or block_size <= 0:
         raise ValueError(f"block_size must be a positive int, got {block_size!r}")
-    if token_budget is not None and (not isinstance(token_budget, int) or token_budget < 0):
-        raise ValueError(f"token_budget must be a non-negative int, got {token_budget!r}")
-    if threshold is not None and not 0.0 <= threshold < 1.0:
-        raise ValueError(f"threshold must be a probability in [0, 1), got {threshold!r}")
     batch, heads, scored = logits.shape
     device = logits.device
     total = _per_row(num_blocks, batch, "num_blocks", device)

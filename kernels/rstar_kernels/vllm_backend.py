@@ -27,11 +27,8 @@ from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAt
 
 from .gate import SeerGates
 from .paged import HeadRotary, PagedGateKeys, paged_sparse_decode
+from .vllm_plugin import BUDGET_ENV, GATE_ENV, KERNEL_ENV, THRESHOLD_ENV
 
-GATE_ENV = "RSTAR_GATE_CHECKPOINT"
-BUDGET_ENV = "RSTAR_SEER_TOKEN_BUDGET"
-THRESHOLD_ENV = "RSTAR_SEER_THRESHOLD"
-KERNEL_ENV = "RSTAR_SEER_KERNEL"
 DEFAULT_TOKEN_BUDGET = 4096
 
 

@@ -19,6 +19,11 @@ import warnings
 
 PINNED_VLLM = "0.32.0"
 BACKEND_CLASS = "rstar_kernels.vllm_backend.SeerSparseAttentionBackend"
+# The settings vLLM's worker processes read from the environment they inherit.
+GATE_ENV = "RSTAR_GATE_CHECKPOINT"
+BUDGET_ENV = "RSTAR_SEER_TOKEN_BUDGET"
+THRESHOLD_ENV = "RSTAR_SEER_THRESHOLD"
+KERNEL_ENV = "RSTAR_SEER_KERNEL"
 
 
 def register() -> None:

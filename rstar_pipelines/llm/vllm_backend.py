@@ -86,11 +86,13 @@ class VllmLLM:
 def seer_engine_options(seer: SeerSettings) -> dict[str, Any]:
     """`vllm.LLM` options for SeerAttention-R decoding; sets the environment that
     `rstar_kernels.vllm_backend` reads in vLLM's worker processes."""
-    os.environ["RSTAR_GATE_CHECKPOINT"] = seer.gate_checkpoint
+    from rstar_kernels.vllm_plugin import BUDGET_ENV, GATE_ENV, KERNEL_ENV, THRESHOLD_ENV
+
+    os.environ[GATE_ENV] = seer.gate_checkpoint
     for name, value in (
-        ("RSTAR_SEER_TOKEN_BUDGET", seer.token_budget),
-        ("RSTAR_SEER_THRESHOLD", seer.threshold),
-        ("RSTAR_SEER_KERNEL", seer.backend),
+        (BUDGET_ENV, seer.token_budget),
+        (THRESHOLD_ENV, seer.threshold),
+        (KERNEL_ENV, seer.backend),
     ):
         if value is None:
             os.environ.pop(name, None)

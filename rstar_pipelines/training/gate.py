@@ -52,6 +52,7 @@ def row_text(row: dict, tokenizer: Any) -> str:
 
 def train_gate_job(
     base_model: str,
+    device: str,
     output_dir: Path,
     settings: GateTrainSettings,
     rows: list[dict],
@@ -59,13 +60,9 @@ def train_gate_job(
 ) -> dict:
     """Train gates for the frozen `base_model` on the rows' texts, save them to output_dir
     (`SeerGates.load` reads it) and return the metrics."""
-    import torch
-
     from rstar_kernels.distill import GateTrainConfig, train_gates
     from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    log(f"loading {base_model} for a gate job on {device}")
     model, tokenizer = load_model_and_tokenizer(base_model, device=device)
     texts = [row_text(row, tokenizer) for row in rows]
     config = GateTrainConfig(**settings.model_dump())

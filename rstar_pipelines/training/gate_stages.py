@@ -13,7 +13,6 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
-from rstar_pipelines.pipeline.plots import line_plot
 from rstar_pipelines.pipeline.stage import (
     Stage,
     StageContext,
@@ -150,27 +149,19 @@ class AttnGateCheckpoint(TrainingStage):
     def checkpoint_name(self) -> str:
         return "attn_gates"
 
-    def _result(self, ctx: StageContext, out: Path, base: str, m: dict[str, Any]) -> StageResult:
-        losses = m["losses"]
+    def _row(self, out: Path, base: str, m: dict[str, Any]) -> dict[str, Any]:
         gate = m["gate_config"]
-        row = {
-            "id": out.name,
+        return {
             "path": str(out),
             "base_model": base,
             "examples": m["examples"],
             "heldout_examples": m["heldout_examples"],
             "steps": m["steps"],
-            "final_loss": losses[-1],
+            "final_loss": m["losses"][-1],
             "block_size": gate["block_size"],
             "gate_dim": gate["gate_dim"],
             "topk_blocks": m["topk_blocks"],
             "heldout_recall_before": m["heldout_recall_before"],
             "heldout_recall_after": m["heldout_recall_after"],
             "seconds": m["seconds"],
-            "run_id": ctx.run_id,
         }
-        shown = {k: v for k, v in row.items() if v is not None and k != "id"}
-        return StageResult(
-            table=pa.Table.from_pylist([row], schema=self.schema),
-            metadata={**shown, "loss_curve": line_plot(losses, "gate loss", "step", "loss")},
-        )

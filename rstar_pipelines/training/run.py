@@ -104,14 +104,14 @@ def train(
 
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    if config.job == "gate":
-        metrics = train_gate_job(config.base_model, config.output_dir, train_config, rows, log)
-        log(f"saved the gates to {config.output_dir}")
-        return metrics
-    torch.manual_seed(train_config.seed)  # the PPM's new head is drawn at random
+    torch.manual_seed(train_config.seed)  # the PPM's head and the gates are drawn at random
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"loading {config.base_model} for a {config.job} job on {device}")
-    if config.job == "ppm":
+    if config.job == "gate":
+        metrics = train_gate_job(
+            config.base_model, device, config.output_dir, train_config, rows, log
+        )
+    elif config.job == "ppm":
         from rstar_pipelines.training.ppm import ProcessPreferenceModel, train_ppm
 
         ppm = ProcessPreferenceModel.from_base(config.base_model)

@@ -97,9 +97,18 @@ class TrainingStage(Stage):
         return self._result(ctx, out, base, metrics)
 
     def _result(self, ctx: StageContext, out: Path, base: str, m: dict[str, Any]) -> StageResult:
+        row = {"id": out.name, **self._row(out, base, m), "run_id": ctx.run_id}
+        shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
         losses = m["losses"]
-        row = {
-            "id": out.name,
+        return StageResult(
+            table=pa.Table.from_pylist([row], schema=self.schema),
+            metadata={**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")},
+        )
+
+    def _row(self, out: Path, base: str, m: dict[str, Any]) -> dict[str, Any]:
+        """The checkpoint's row from the trainer's metrics (id and run_id are added)."""
+        losses = m["losses"]
+        return {
             "job": self.job,
             "round": self.params.round,
             "path": str(out),
@@ -112,13 +121,7 @@ class TrainingStage(Stage):
             "train_accuracy_before": m.get("train_accuracy_before"),
             "train_accuracy_after": m.get("train_accuracy_after"),
             "seconds": m["seconds"],
-            "run_id": ctx.run_id,
         }
-        shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
-        return StageResult(
-            table=pa.Table.from_pylist([row], schema=self.schema),
-            metadata={**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")},
-        )
 
 
 class PolicyCheckpoint(TrainingStage):

@@ -213,6 +213,8 @@ def test_training_lowers_the_loss_and_raises_heldout_recall():
     losses = metrics["losses"]
     assert metrics["steps"] == len(losses) == 60
     assert (metrics["examples"], metrics["heldout_examples"], metrics["skipped_short"]) == (9, 3, 1)
+    held = metrics["heldout_texts"]
+    assert len(set(held)) == 3 and 12 not in held and all(0 <= i < 12 for i in held)
     assert sum(losses[-10:]) / 10 < 0.5 * sum(losses[:5]) / 5
     before, after = metrics["heldout_recall_before"], metrics["heldout_recall_after"]
     assert after > before + 0.04, (before, after)
