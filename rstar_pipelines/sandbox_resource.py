@@ -23,14 +23,21 @@ class SandboxResource(dg.ConfigurableResource):
 
     _sandbox = PrivateAttr(default=None)
 
+    def backend_name(self) -> str:
+        """The backend `get` starts (a training process starts its own sandbox with it)."""
+        return self.backend or os.environ.get("RSTAR_SANDBOX_BACKEND", "auto")
+
+    def worker_count(self) -> int | None:
+        """The workers `get` starts; None: the sandbox's default (the number of CPUs)."""
+        return self.workers or int(os.environ.get("RSTAR_SANDBOX_WORKERS", 0)) or None
+
     def get(self):
         from rstar_sandbox import Sandbox
 
         if self._sandbox is None:
-            workers = self.workers or int(os.environ.get("RSTAR_SANDBOX_WORKERS", 0)) or None
             self._sandbox = Sandbox(
-                backend=self.backend or os.environ.get("RSTAR_SANDBOX_BACKEND", "auto"),
-                workers=workers,
+                backend=self.backend_name(),
+                workers=self.worker_count(),
                 image=self.image,
                 preload=tuple(self.preload),
             )

@@ -8,10 +8,13 @@ from rstar_pipelines.coder.generation_stages import (
     TestInputGeneration,
 )
 from rstar_pipelines.coder.verification_stages import MutualVerification, VerifiedSolutions
+from rstar_pipelines.dser.comparison import EvaluationComparison
+from rstar_pipelines.dser.stages import DSEREvaluation
 from rstar_pipelines.math.eval_stages import MCTSEvaluation
 from rstar_pipelines.math.search_stages import MCTSTrajectories, PreferencePairs, SFTDataset
 from rstar_pipelines.pipeline.stage import Stage
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
+from rstar_pipelines.training.agent_stages import GRPORoCCheckpoint
 from rstar_pipelines.training.gate_stages import AttnGateCheckpoint, GateDistillData
 from rstar_pipelines.training.stages import PolicyCheckpoint, PPMCheckpoint
 
@@ -30,7 +33,10 @@ STAGES: dict[str, type[Stage]] = {
         SFTDataset,
         PolicyCheckpoint,
         PPMCheckpoint,
+        GRPORoCCheckpoint,
         MCTSEvaluation,
+        DSEREvaluation,
+        EvaluationComparison,
         GateDistillData,
         AttnGateCheckpoint,
     )

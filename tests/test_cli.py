@@ -56,6 +56,8 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
     assert counts["solutions"] == counts["agreeing"]
     _check_rstar_math(isolated_dirs)
     _check_seer_attention(isolated_dirs)
+    _check_evaluations()
+    _check_grpo_roc()
 
 
 def _check_rstar_math(data_dir: Path) -> None:
@@ -116,6 +118,38 @@ def _check_seer_attention(data_dir: Path) -> None:
         token_budget=4096,
     ).generate([prompt], greedy)[0][0]
     assert sparse.text == dense.text and dense.completion_tokens == 24
+
+
+def _check_evaluations() -> None:
+    """DSER on the held-out problems (2 chains, 2 iterations: 3 states per chain) with its
+    Markov diagnostics, and the four methods compared on the math problems both evaluations
+    share."""
+    rows = query("select * from dser_eval").to_pylist()
+    assert rows and {r["domain"] for r in rows} <= {"math", "code"}
+    for row in rows:
+        assert len(row["states"]) == 2 * 3 and row["calls"] >= 2 + 2 * 2
+        transitions = sum(row[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii"))
+        assert transitions == 2 * 2 and row["tokens"] > 0 and row["seconds"] > 0
+        assert row["observed_accuracy"] == sum(
+            s["correct"] for s in row["states"] if s["iteration"] >= 1
+        ) / (2 * 2)
+    methods = query("select * from eval_comparison order by method").to_pylist()
+    assert [m["method"] for m in methods] == ["dser", "greedy", "majority_of_4", "mcts_best_q"]
+    assert all(m["problems"] >= 1 and m["tokens_per_problem"] > 0 for m in methods)
+    by_method = {m["method"]: m for m in methods}
+    assert by_method["dser"]["tokens_per_problem"] > by_method["greedy"]["tokens_per_problem"]
+
+
+def _check_grpo_roc() -> None:
+    """GRPO-RoC from the demo's policy checkpoint: its steps' figures and a checkpoint that
+    generates."""
+    policy = query("select path from policy_checkpoint").column("path")[0].as_py()
+    grpo = query("select * from grpo_roc_checkpoint").to_pylist()[0]
+    assert grpo["job"] == "grpo" and grpo["base_model"] == policy and grpo["steps"] == 2
+    assert 0 <= grpo["mean_reward_first"] <= 1 and 0 <= grpo["mean_reward_last"] <= 1
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    reloaded = load_llm("transformers", grpo["path"])
+    assert reloaded.generate(["<answer>"], greedy)[0][0].completion_tokens >= 1
 
 
 def test_query_errors_are_clear(isolated_dirs):

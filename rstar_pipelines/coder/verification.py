@@ -21,11 +21,15 @@ __all__ = [
     "UNPARSABLE",
     "CandidateVerdict",
     "MutualVerification",
+    "ProgramRuns",
     "VerificationTask",
     "check_determinism",
     "mutual_verify",
     "mutual_verify_many",
     "normalize_output",
+    "output_signature",
+    "passes_tests",
+    "run_programs",
 ]
 
 UNPARSABLE = "unparsable"
@@ -100,12 +104,38 @@ def mutual_verify_many(
 ) -> list[MutualVerification]:
     """Verify many problems with one `sandbox.run` call, so the workers never wait
     between one problem's jobs and the next's."""
+    runs = run_programs(
+        [ProgramRuns([*t.candidates, t.oracle], t.inputs, t.timeout_s) for t in tasks],
+        sandbox,
+        timeout_s,
+        memory_mb,
+    )
+    return [
+        _decide(task, task_runs[:-1], task_runs[-1], threshold)
+        for task, task_runs in zip(tasks, runs, strict=True)
+    ]
+
+
+@dataclass(frozen=True)
+class ProgramRuns:
+    """Programs (None where there is no code) to run on every one of `inputs`."""
+
+    programs: Sequence[str | None]
+    inputs: Sequence[str]
+    timeout_s: float | None = None
+
+
+def run_programs(
+    tasks: Sequence[ProgramRuns], sandbox: Sandbox, timeout_s: float = 2.0, memory_mb: int = 256
+) -> list[list[Sequence[Result] | None]]:
+    """Every task's programs on its inputs with one `sandbox.run` call: per task and program,
+    its results in input order, or None for a program without code."""
     jobs: list[Job] = []
     starts: list[list[int | None]] = []  # per task and program: its first job, if it runs
     for task in tasks:
         limit = task.timeout_s or timeout_s
         task_starts: list[int | None] = []
-        for program in [*task.candidates, task.oracle]:
+        for program in task.programs:
             if _parsable(program):
                 task_starts.append(len(jobs))
                 jobs.extend(
@@ -116,11 +146,24 @@ def mutual_verify_many(
                 task_starts.append(None)
         starts.append(task_starts)
     results = sandbox.run(jobs)
-    decided = []
-    for task, task_starts in zip(tasks, starts, strict=True):
-        runs = [None if s is None else results[s : s + len(task.inputs)] for s in task_starts]
-        decided.append(_decide(task, runs[:-1], runs[-1], threshold))
-    return decided
+    return [
+        [None if s is None else results[s : s + len(task.inputs)] for s in task_starts]
+        for task, task_starts in zip(tasks, starts, strict=True)
+    ]
+
+
+def output_signature(runs: Sequence[Result] | None) -> tuple[str, ...] | None:
+    """What a program printed on every input (normalized); None if it has no code or any run
+    failed, so it can agree with nothing."""
+    if runs is None or _first_failure(runs) is not None:
+        return None
+    return tuple(normalize_output(r.stdout) for r in runs)
+
+
+def passes_tests(runs: Sequence[Result] | None, labels: Sequence[str]) -> bool:
+    """Whether a program's runs printed every label (the verified test cases)."""
+    signature = output_signature(runs)
+    return signature is not None and signature == tuple(normalize_output(x) for x in labels)
 
 
 def check_determinism(
@@ -167,13 +210,6 @@ def _verdict(index: int, runs: Sequence[Result] | None, agrees: bool) -> Candida
     )
 
 
-def _signature(runs: Sequence[Result] | None) -> tuple[str, ...] | None:
-    """What a candidate printed on every input; None if it cannot agree with anyone."""
-    if runs is None or _first_failure(runs) is not None:
-        return None
-    return tuple(normalize_output(r.stdout) for r in runs)
-
-
 def _decide(
     task: VerificationTask,
     candidate_runs: list[Sequence[Result] | None],
@@ -181,7 +217,7 @@ def _decide(
     threshold: float,
 ) -> MutualVerification:
     n = len(candidate_runs)
-    signatures = [_signature(runs) for runs in candidate_runs]
+    signatures = [output_signature(runs) for runs in candidate_runs]
     groups: dict[tuple[str, ...], list[int]] = {}
     for index, signature in enumerate(signatures):
         if signature is not None:
@@ -201,7 +237,7 @@ def _decide(
         elif failed is not None:
             reason = f"oracle failed on input {failed}: {oracle_runs[failed].status}"
         else:
-            labels = _signature(oracle_runs)
+            labels = output_signature(oracle_runs)
             agreeing = groups.get(labels, [])
             agreement = len(agreeing) / n if n else 0.0
     elif not groups:

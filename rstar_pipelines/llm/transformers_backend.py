@@ -17,6 +17,8 @@ What to know about its behaviour:
   (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
   as "\\n\\n" after a prompt ending in "\\n").
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
+- `TransformersLLM.wrap(model, tokenizer, ...)` generates with a model already in memory (a
+  trainer's, whose weights change between calls) instead of loading one.
 - `sparse_attention="seer"` decodes with SeerAttention-R block-sparse attention (prefill stays
   dense), with the trained gates in `gate_checkpoint` and `token_budget` tokens per step (default
   4096) or the blocks above `sparse_threshold`; `sparse_backend` picks the kernel ("triton" on
@@ -118,29 +120,50 @@ class TransformersLLM:
         sparse_threshold: float | None = None,
         sparse_backend: str | None = None,
     ):
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         seer = SeerSettings.from_options(
             sparse_attention, gate_checkpoint, token_budget, sparse_threshold, sparse_backend
         )
-        self.name = f"transformers:{model}" + (seer.tag if seer else "")
+        loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer)
+        self._set_model(
+            loaded, tokenizer, f"transformers:{model}" + (seer.tag if seer else ""), batch_size
+        )
+
+    @classmethod
+    def wrap(cls, model: Any, tokenizer: Any, *, name: str, batch_size: int = 8) -> TransformersLLM:
+        """An LLM over a model already in memory, such as one being trained: every generate()
+        call uses its weights as they are then. The call runs the model in eval mode and puts
+        it back in the mode it found it in."""
+        llm = cls.__new__(cls)
+        llm._set_model(model, tokenizer, name, batch_size)
+        return llm
+
+    def _set_model(self, model: Any, tokenizer: Any, name: str, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.name = name
         self.batch_size = batch_size
-        self._model, self._tokenizer = load_model_and_tokenizer(model, device, dtype, seer)
-        config, tokenizer = self._model.generation_config, self._tokenizer
+        self._model, self._tokenizer = model, tokenizer
+        config = model.generation_config
         eos = config.eos_token_id if config.eos_token_id is not None else tokenizer.eos_token_id
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else eos or [])
         pad = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
         if pad is None and not self._eos_ids:
-            raise ValueError(f"{model} has neither a pad nor an EOS token to pad batches with")
+            raise ValueError(f"{name} has neither a pad nor an EOS token to pad batches with")
         self._pad_id = pad if pad is not None else min(self._eos_ids)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         token_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
         if params.seed is not None:
             torch.manual_seed(params.seed)
-        results: list[list[Completion]] = []
-        for start in range(0, len(token_ids), self.batch_size):
-            results.extend(self._generate_batch(token_ids[start : start + self.batch_size], params))
+        training = self._model.training
+        self._model.eval()  # no dropout while sampling, whatever a trainer left it in
+        try:
+            results: list[list[Completion]] = []
+            for start in range(0, len(token_ids), self.batch_size):
+                batch = token_ids[start : start + self.batch_size]
+                results.extend(self._generate_batch(batch, params))
+        finally:
+            self._model.train(training)
         return results
 
     def _encode(self, index: int, prompt: Prompt) -> list[int]:

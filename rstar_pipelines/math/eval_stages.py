@@ -31,6 +31,10 @@ def _correct(answer: str | None, gold: str) -> bool:
     return answer is not None and equivalent(answer, gold)
 
 
+def _mean(rows: list[dict], column: str) -> float:
+    return sum(r[column] for r in rows) / len(rows) if rows else 0.0
+
+
 class MCTSEvaluation(SearchStage):
     """On the held-out split of verified math problems, this round's policy three ways:
     greedy decoding, PPM-guided search answered by the best-Q leaf, and a majority vote
@@ -49,10 +53,14 @@ class MCTSEvaluation(SearchStage):
             checkpoint_path(inputs, "ppm_checkpoint"),
         )
         plain = SearchModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
-        greedy, _ = search_trees(self, ctx, problems, plain, greedy_config(p.search))
-        searched, stats = search_trees(self, ctx, problems, guided, p.search)
+        greedy, greedy_seconds, _ = search_trees(
+            self, ctx, problems, plain, greedy_config(p.search)
+        )
+        searched, search_seconds, stats = search_trees(self, ctx, problems, guided, p.search)
         rows = []
-        for problem, g, s in zip(problems, greedy, searched, strict=True):
+        for problem, g, s, g_s, s_s in zip(
+            problems, greedy, searched, greedy_seconds, search_seconds, strict=True
+        ):
             answers = {
                 "greedy": best_q_answer(g),
                 "best_q": best_q_answer(s),
@@ -67,6 +75,10 @@ class MCTSEvaluation(SearchStage):
                     **{f"{k}_answer": v for k, v in answers.items()},
                     **{f"{k}_correct": _correct(v, problem["answer"]) for k, v in answers.items()},
                     "search_nodes": s.nodes.num_rows,
+                    "greedy_tokens": g.completion_tokens,
+                    "search_tokens": s.completion_tokens,
+                    "greedy_seconds": g_s,
+                    "search_seconds": s_s,
                     "policy": guided.policy_name,
                 }
             )
@@ -74,6 +86,11 @@ class MCTSEvaluation(SearchStage):
         accuracy = {
             k: (sum(r[f"{k}_correct"] for r in rows) / n if n else 0.0)
             for k in ("greedy", "best_q", "majority")
+        }
+        # The vote over the top answers reads the same search: it costs what the search did.
+        cost = {
+            k: [_mean(rows, f"{k}_{figure}") for figure in ("tokens", "seconds")]
+            for k in ("greedy", "search")
         }
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
@@ -83,11 +100,14 @@ class MCTSEvaluation(SearchStage):
                 "ppm": guided.ppm_path or "none",
                 **{f"accuracy_{k}": v for k, v in accuracy.items()},
                 "comparison": markdown_table(
-                    ["method", "accuracy", "problems"],
+                    ["method", "accuracy", "problems", "tokens/problem", "seconds/problem"],
                     [
-                        ["greedy decoding", f"{accuracy['greedy']:.3f}", n],
-                        ["PPM-guided search, best Q", f"{accuracy['best_q']:.3f}", n],
-                        [f"majority of top {p.top_answers}", f"{accuracy['majority']:.3f}", n],
+                        [name, f"{accuracy[k]:.3f}", n, f"{tokens:.0f}", f"{seconds:.2f}"]
+                        for name, k, (tokens, seconds) in (
+                            ("greedy decoding", "greedy", cost["greedy"]),
+                            ("PPM-guided search, best Q", "best_q", cost["search"]),
+                            (f"majority of top {p.top_answers}", "majority", cost["search"]),
+                        )
                     ],
                 ),
                 **{f"search_{k}": v for k, v in stats.items()},

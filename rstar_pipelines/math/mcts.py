@@ -139,13 +139,18 @@ class Tree:
     @property
     def nodes(self) -> pa.Table:
         """node_id, parent_id, depth, text, kind, observation, terminal, final_answer,
-        correct, visits, q, value: one row per node, depth first."""
+        correct, visits, q, value, completion_tokens: one row per node, depth first."""
         return pa.Table.from_pylist(
             [n.row() for n in self.root.walk()], schema=pa.schema(list(NODE))
         )
 
     def answers(self) -> list[Node]:
         return [n for n in self.root.walk() if n.is_answer]
+
+    @property
+    def completion_tokens(self) -> int:
+        """Every token the search generated (nodes stored without a count add none)."""
+        return sum(n.completion_tokens or 0 for n in self.root.walk())
 
 
 @dataclass
@@ -234,7 +239,8 @@ class TreeSearch:
     def expand(self, node: Node) -> _Search:
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
         completions: list[Completion] = yield _Generate(prompt)
-        steps = [parse_step(c.text, c.stop_string) for c in _distinct(completions)]
+        kept = _distinct(completions)
+        steps = [parse_step(c.text, c.stop_string) for c, _ in kept]
         code = [s for s in steps if not s.is_answer]
         runs = (
             (yield _Execute([program_of([*_open_block(node), s.text]) for s in code]))
@@ -242,16 +248,19 @@ class TreeSearch:
             else []
         )
         outcomes = iter(runs)
-        for step in steps:
+        for step, (_, tokens) in zip(steps, kept, strict=True):
             child = Node(f"{node.node_id}.{len(node.children) + 1}", node, node.depth + 1)
             child.action = step.text
+            child.completion_tokens = tokens
             node.children.append(child)
             if step.is_answer:
                 self._answer(child, step.text, step.final_answer)
             else:
                 self._code(child, step, next(outcomes))
         if not steps:
-            self._fail(Node(f"{node.node_id}.1", node, node.depth + 1), NO_VALID_CHILD)
+            failed = Node(f"{node.node_id}.1", node, node.depth + 1)
+            failed.completion_tokens = sum(c.completion_tokens for c in completions)
+            self._fail(failed, NO_VALID_CHILD)
         fresh = [ch for ch in node.children if not ch.terminal]
         if self.with_ppm and fresh:
             question = self.tree.problem.question
@@ -294,17 +303,32 @@ class TreeSearch:
         child.update(-1.0)  # on itself only: a failure says nothing about its ancestors
 
 
-def _distinct(completions: Sequence[Completion]) -> list[Completion]:
+def _distinct(completions: Sequence[Completion]) -> list[tuple[Completion, int]]:
     """The reference's post-filter: exact duplicates go, and if any sample finished
-    its answer, only the first such sample stays (an answer expansion has one child)."""
-    seen, kept = set(), []
+    its answer, only the first such sample stays (an answer expansion has one child).
+    Each kept sample comes with the tokens it stands for, so that none go uncounted: its
+    own, its duplicates', and those of every other dropped sample (blank, or beside an
+    answer) on the first kept one."""
+    first_of: dict[str, int] = {}
+    kept: list[Completion] = []
+    tokens: list[int] = []
+    dropped = 0
     for c in completions:
         text = c.text + (c.stop_string or "")
-        if text.strip() and text not in seen:
-            seen.add(text)
+        if not text.strip():
+            dropped += c.completion_tokens
+        elif text in first_of:
+            tokens[first_of[text]] += c.completion_tokens
+        else:
+            first_of[text] = len(kept)
             kept.append(c)
-    answers = [c for c in kept if c.stop_string == ANSWER_END]
-    return answers[:1] if answers else kept
+            tokens.append(c.completion_tokens)
+    answer = next((i for i, c in enumerate(kept) if c.stop_string == ANSWER_END), None)
+    if answer is not None:
+        return [(kept[answer], sum(tokens) + dropped)]
+    if kept:
+        tokens[0] += dropped
+    return list(zip(kept, tokens, strict=True))
 
 
 def _open_block(node: Node) -> list[str]:

@@ -4,6 +4,7 @@ tree), ppm_pairs and sft_dataset."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter, defaultdict
 from statistics import fmean
 from typing import ClassVar, Literal
@@ -112,15 +113,17 @@ def step_prompt(stage: Stage, kind: str) -> StepPrompt:
 
 def search_trees(
     stage: Stage, ctx: StageContext, problems: list[dict], models: SearchModels, config
-) -> tuple[list[Tree], dict]:
-    """Search one tree per problem (cached per problem) and the search's figures."""
+) -> tuple[list[Tree], list[float], dict]:
+    """Search one tree per problem (cached per problem); the wall seconds of each tree
+    (its chunk's time shared by the chunk's trees, stored with it so a cache hit keeps
+    it) and the search's figures."""
     params = stage.params
     prompt = step_prompt(stage, params.prompt)
     searcher: list[MCTSSearch] = []
 
     def key(problem: dict) -> str:
         return fingerprint(
-            "mcts",
+            "mcts-timed",
             models.policy_name,
             models.ppm_path,
             config.model_dump(mode="json"),
@@ -129,23 +132,26 @@ def search_trees(
             problem["answer"],
         )
 
-    def compute(chunk: list[dict]) -> list[list[dict]]:
+    def compute(chunk: list[dict]) -> list[dict]:
         if not searcher:
             searcher.append(
                 MCTSSearch(
                     models.policy(), ctx.resource("sandbox").get(), config, models.ppm(), prompt
                 )
             )
+        start = time.perf_counter()  # after loading the models: the search's own time
         found = searcher[0].run([Problem(p["id"], p["question"], p["answer"]) for p in chunk])
+        seconds = (time.perf_counter() - start) / len(chunk)
         ctx.log.info(f"searched {len(chunk)} trees: {searcher[0].stats.as_dict()}")
-        return [t.nodes.to_pylist() for t in found]
+        return [{"nodes": t.nodes.to_pylist(), "seconds": seconds} for t in found]
 
     stored = ctx.cache.map(problems, key, compute, params.chunk)
     trees = [
-        Tree(Problem(p["id"], p["question"], p["answer"]), tree_from_rows(rows))
-        for p, rows in zip(problems, stored, strict=True)
+        Tree(Problem(p["id"], p["question"], p["answer"]), tree_from_rows(item["nodes"]))
+        for p, item in zip(problems, stored, strict=True)
     ]
-    return trees, (searcher[0].stats.as_dict() if searcher else {})
+    seconds = [item["seconds"] for item in stored]
+    return trees, seconds, (searcher[0].stats.as_dict() if searcher else {})
 
 
 class SearchStage(Stage):
@@ -174,7 +180,7 @@ class MCTSTrajectories(SearchStage):
             checkpoint_path(inputs, "previous_policy_checkpoint"),
             checkpoint_path(inputs, "previous_ppm_checkpoint"),
         )
-        trees, stats = search_trees(self, ctx, problems, models, p.search)
+        trees, _, stats = search_trees(self, ctx, problems, models, p.search)
         by_id = {q["id"]: q for q in problems}
         nodes, found = [], []
         for tree in trees:
@@ -234,7 +240,9 @@ def stored_trees(nodes: pa.Table) -> list[Tree]:
     trees = []
     for (_, problem_id), rows in sorted(grouped.items()):
         problem = Problem(problem_id, rows[0]["question"], rows[0]["gold_answer"])
-        trees.append(Tree(problem, tree_from_rows([{k: r[k] for k in NODE.names} for r in rows])))
+        trees.append(
+            Tree(problem, tree_from_rows([{k: r.get(k) for k in NODE.names} for r in rows]))
+        )
     return trees
 
 

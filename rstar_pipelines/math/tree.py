@@ -25,6 +25,9 @@ NODE = pa.struct(
         ("visits", pa.int64()),
         ("q", pa.float64()),
         ("value", pa.float64()),  # the first value the node was given (PPM or reward)
+        # Tokens the policy generated for this step (null: the root, or a tree stored
+        # before nodes counted them).
+        ("completion_tokens", pa.int64()),
     ]
 )
 
@@ -48,6 +51,10 @@ class Node:
     visits: int = 0
     value_sum: float = 0.0
     value: float | None = None
+    # The tokens of the completions this step came from: its own, plus those of the
+    # samples of the same expansion that the post-filter folded into it, so that a tree's
+    # nodes sum to every token its search generated.
+    completion_tokens: int | None = None
     children: list[Node] = field(default_factory=list)
 
     @property
@@ -119,6 +126,7 @@ class Node:
             "visits": self.visits,
             "q": self.q,
             "value": self.value,
+            "completion_tokens": self.completion_tokens,
         }
 
 
@@ -149,7 +157,7 @@ def descend(node: Node, c: float) -> Node | None:
 
 def tree_from_rows(rows: list[dict]) -> Node:
     """Rebuild a stored tree (rows of the node table, parents before children) and
-    return its root."""
+    return its root. Rows stored before nodes counted tokens have no completion_tokens."""
     nodes: dict[str, Node] = {}
     root = None
     for row in rows:
@@ -167,6 +175,7 @@ def tree_from_rows(rows: list[dict]) -> Node:
             visits=row["visits"],
             value_sum=row["q"] * row["visits"],
             value=row["value"],
+            completion_tokens=row.get("completion_tokens"),
         )
         nodes[node.node_id] = node
         if parent is None:

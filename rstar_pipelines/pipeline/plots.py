@@ -46,15 +46,38 @@ def histogram(
     return _png_markdown(fig, title)
 
 
-def line_plot(values: Sequence[float], title: str, xlabel: str, ylabel: str) -> Markdown:
+def line_plot(
+    values: Sequence[float], title: str, xlabel: str, ylabel: str, first_x: int = 1
+) -> Markdown:
+    """`values` against consecutive x from `first_x` (steps from 1, iterations from 0)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(4.5, 2.6))
-    ax.plot(range(1, len(values) + 1), list(values), color="#4c72b0")
+    ax.plot(range(first_x, first_x + len(values)), list(values), color="#4c72b0")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
+    return _png_markdown(fig, title)
+
+
+def labelled_points(
+    points: Sequence[tuple[str, float, float]], title: str, xlabel: str, ylabel: str
+) -> Markdown:
+    """One marked, labelled point per (label, x, y): methods set against each other."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(4.5, 2.6))
+    for label, x, y in points:
+        ax.scatter([x], [y], color="#4c72b0")
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.margins(0.2)
     return _png_markdown(fig, title)

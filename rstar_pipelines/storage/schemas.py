@@ -236,7 +236,7 @@ SFT_DATASET = pa.schema(
 CHECKPOINT = pa.schema(
     [
         ("id", pa.string()),
-        ("job", pa.string()),  # "ppm" or "sft"
+        ("job", pa.string()),  # "ppm", "sft" or "grpo"
         ("round", pa.int64()),
         ("path", pa.string()),
         ("base_model", pa.string()),
@@ -247,6 +247,8 @@ CHECKPOINT = pa.schema(
         ("heldout_accuracy", pa.float64()),
         ("train_accuracy_before", pa.float64()),
         ("train_accuracy_after", pa.float64()),
+        ("mean_reward_first", pa.float64()),  # grpo: the first and last steps' mean reward
+        ("mean_reward_last", pa.float64()),
         ("seconds", pa.float64()),
         ("run_id", pa.string()),
     ]
@@ -265,6 +267,68 @@ MCTS_EVAL = pa.schema(
         ("best_q_correct", pa.bool_()),
         ("majority_correct", pa.bool_()),
         ("search_nodes", pa.int64()),
+        # What each method cost on the problem: tokens generated, and wall seconds (the
+        # search's own time, without loading the models; kept from when it was computed).
+        ("greedy_tokens", pa.int64()),
+        ("search_tokens", pa.int64()),
+        ("greedy_seconds", pa.float64()),
+        ("search_seconds", pa.float64()),
+        ("policy", pa.string()),
+    ]
+)
+
+# -- DSER: deep self-evolving reasoning, and the methods side by side -------------------
+
+# One state of a self-evolving chain: iteration 0 is the first solution, iteration t the
+# solution after t verify-then-refine steps (kept as it was when its verification passed).
+DSER_STATE = pa.struct(
+    [
+        ("chain", pa.int64()),
+        ("iteration", pa.int64()),
+        ("text", pa.string()),
+        ("answer", pa.string()),  # math: the boxed answer; code: the extracted program
+        ("verdict", pa.bool_()),  # the model's own verification of this state passed
+        ("correct", pa.bool_()),  # against the gold answer, or the verified tests
+        ("tokens", pa.int64()),
+    ]
+)
+
+DSER_EVAL = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("domain", pa.string()),
+        ("gold_answer", pa.string()),  # math only
+        ("vote_answer", pa.string()),
+        ("vote_correct", pa.bool_()),
+        ("states", pa.list_(DSER_STATE)),
+        # Transitions between consecutive states of every chain (C: correct, I: incorrect),
+        # and the two-state Markov chain they estimate: p_improve = P(I->C), p_degrade =
+        # P(C->I), predicted accuracy = its stationary P(C) (null where a count is 0).
+        ("transitions_cc", pa.int64()),
+        ("transitions_ci", pa.int64()),
+        ("transitions_ic", pa.int64()),
+        ("transitions_ii", pa.int64()),
+        ("p_improve", pa.float64()),
+        ("p_degrade", pa.float64()),
+        ("predicted_accuracy", pa.float64()),
+        ("observed_accuracy", pa.float64()),  # correct states among those the vote pools
+        ("tokens", pa.int64()),
+        ("calls", pa.int64()),
+        ("seconds", pa.float64()),  # kept from when it was computed
+        ("policy", pa.string()),
+    ]
+)
+
+EVAL_COMPARISON = pa.schema(
+    [
+        ("round", pa.int64()),
+        ("method", pa.string()),
+        ("problems", pa.int64()),
+        ("accuracy", pa.float64()),
+        ("tokens_per_problem", pa.float64()),
+        ("seconds_per_problem", pa.float64()),
         ("policy", pa.string()),
     ]
 )

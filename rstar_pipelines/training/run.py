@@ -1,11 +1,15 @@
 """The training process: `python -m rstar_pipelines.training.run CONFIG.json`.
 
-CONFIG.json holds `job` ("ppm", "sft" or "gate"), `base_model` (the policy to start from:
+CONFIG.json holds `job` ("ppm", "sft", "gate" or "grpo"), `base_model` (the policy to start from:
 "embedded", a .gguf file or a Hugging Face directory; a gate job keeps it frozen), `data` (a
 Parquet file: preference pairs with prompt, chosen, rejected, pos_count, neg_count for "ppm"; chat
 examples with `messages` for "sft"; texts for "gate": a `text` column, and optionally `messages`
-for the rows whose text is null, rendered with the model's chat template), `output_dir`, `train`
-(PPMTrainConfig, SFTTrainConfig or GateTrainSettings fields) and optionally `num_threads`.
+for the rows whose text is null, rendered with the model's chat template; problems for "grpo":
+id, domain, question, answer (math), inputs and labels (code), and `prompt`, the chat messages a
+rollout starts from, already rendered from the prompt templates), `output_dir`, `train`
+(PPMTrainConfig, SFTTrainConfig, GateTrainSettings or GRPOTrainConfig fields) and optionally
+`num_threads`. A grpo job starts its own sandbox (the backend and workers its config names) for
+the tool calls and the code rewards, and stops it when training ends.
 
 It writes the checkpoint (a Hugging Face directory; for "gate", a SeerGates directory) and
 `training_metrics.json` to output_dir.
@@ -26,7 +30,9 @@ import pyarrow.parquet as pq
 from dagster_pipes import PipesContext, open_dagster_pipes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rstar_pipelines.agent.reward import AgentProblem
 from rstar_pipelines.training.gate import GateTrainSettings, train_gate_job
+from rstar_pipelines.training.grpo import GRPOTrainConfig
 from rstar_pipelines.training.ppm import PPMTrainConfig
 from rstar_pipelines.training.sft import SFTTrainConfig
 
@@ -34,10 +40,16 @@ COLUMNS = {
     "ppm": ("prompt", "chosen", "rejected", "pos_count", "neg_count"),
     "sft": ("messages",),
     "gate": ("text",),
+    "grpo": ("id", "domain", "question", "answer", "inputs", "labels", "prompt"),
 }
 OPTIONAL_COLUMNS = {"gate": ("messages",)}
-TRAIN_CONFIGS = {"ppm": PPMTrainConfig, "sft": SFTTrainConfig, "gate": GateTrainSettings}
-TrainSettings = PPMTrainConfig | SFTTrainConfig | GateTrainSettings
+TRAIN_CONFIGS = {
+    "ppm": PPMTrainConfig,
+    "sft": SFTTrainConfig,
+    "gate": GateTrainSettings,
+    "grpo": GRPOTrainConfig,
+}
+TrainSettings = PPMTrainConfig | SFTTrainConfig | GateTrainSettings | GRPOTrainConfig
 METRICS_FILE = "training_metrics.json"
 
 
@@ -50,7 +62,7 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    job: Literal["ppm", "sft", "gate"]
+    job: Literal["ppm", "sft", "gate", "grpo"]
     base_model: str
     data: Path
     output_dir: Path
@@ -90,7 +102,33 @@ def read_rows(config: RunConfig) -> list[dict]:
         empty = [i for i, r in enumerate(rows) if r["text"] is None and not r.get("messages")]
         if empty:
             raise BadInput(f"{config.data}: rows {empty[:10]} have neither text nor messages")
+    if config.job == "grpo":
+        agent_problems(rows, config.data)
     return rows
+
+
+def agent_problems(rows: list[dict], source: Path) -> tuple[list[AgentProblem], list[list[dict]]]:
+    """The problems of a grpo job's rows and the prompt each rollout starts from."""
+    problems, prompts = [], []
+    for number, row in enumerate(rows):
+        prompt = row["prompt"] or []
+        if not prompt or not isinstance(prompt[-1], dict) or prompt[-1].get("role") != "user":
+            raise BadInput(f"{source} row {number}: prompt must be chat messages ending with user")
+        try:
+            problems.append(
+                AgentProblem(
+                    id=row["id"],
+                    domain=row["domain"],
+                    question=row["question"],
+                    answer=row["answer"],
+                    inputs=tuple(row["inputs"] or ()),
+                    labels=tuple(row["labels"] or ()),
+                )
+            )
+        except ValueError as error:
+            raise BadInput(f"{source} row {number}: {error}") from error
+        prompts.append([{"role": m["role"], "content": m["content"]} for m in prompt])
+    return problems, prompts
 
 
 def train(
@@ -120,16 +158,40 @@ def train(
         ppm.save(config.output_dir)
     else:
         from rstar_pipelines.training.base_models import add_tags, load_trainable
-        from rstar_pipelines.training.sft import train_sft
 
         model, tokenizer = load_trainable(config.base_model)
-        add_tags(model, tokenizer)
-        model.to(device)
-        metrics = train_sft(model, tokenizer, rows, train_config, log)
+        if config.job == "sft":
+            from rstar_pipelines.training.sft import train_sft
+
+            add_tags(model, tokenizer)
+            model.to(device)
+            metrics = train_sft(model, tokenizer, rows, train_config, log)
+        else:
+            model.to(device)
+            metrics = _train_grpo(model, tokenizer, rows, config.data, train_config, log)
         model.save_pretrained(config.output_dir)
         tokenizer.save_pretrained(config.output_dir)
     log(f"saved the checkpoint to {config.output_dir}")
     return metrics
+
+
+def _train_grpo(
+    model: Any,
+    tokenizer: Any,
+    rows: list[dict],
+    source: Path,
+    train_config: GRPOTrainConfig,
+    log: Callable[[str], Any],
+) -> dict:
+    from rstar_pipelines.training.grpo import train_grpo
+    from rstar_sandbox import Sandbox
+
+    problems, prompts = agent_problems(rows, source)
+    log(f"starting a {train_config.sandbox_backend} sandbox for the tool calls and rewards")
+    with Sandbox(
+        backend=train_config.sandbox_backend, workers=train_config.sandbox_workers
+    ) as sandbox:
+        return train_grpo(model, tokenizer, problems, train_config, sandbox, prompts, log)
 
 
 def run(config_path: Path, log: Callable[[str], Any]) -> None:

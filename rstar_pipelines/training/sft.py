@@ -35,32 +35,61 @@ class SFTTrainConfig(TrainConfig):
 def sft_tokens(
     tokenizer: Any, messages: Sequence[Mapping[str, str]], max_length: int
 ) -> tuple[list[int], list[int]]:
-    """(input_ids, labels) of one conversation; labels are IGNORE except on the target.
+    """(input_ids, labels) of one conversation; labels are IGNORE except on the target, the final
+    assistant message (`chat_tokens` with `final_only`)."""
+    input_ids, trained = chat_tokens(tokenizer, messages, max_length, final_only=True)
+    return input_ids, [t if keep else IGNORE for t, keep in zip(input_ids, trained, strict=True)]
 
-    The prompt is the conversation without its final assistant message, rendered with the
-    generation prompt: the exact text the policy is given at inference. The target is the rest of
-    the full rendering (the answer, then the end-of-turn tokens). Each is tokenized on its own and
-    the ids joined, so the boundary is exact whatever the tokenizer would merge across it, and the
-    prompt tokens are those generation sees. Cut to the first `max_length` tokens.
+
+def chat_tokens(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, str]],
+    max_length: int,
+    *,
+    final_only: bool = False,
+) -> tuple[list[int], list[bool]]:
+    """(input_ids, trained) of a conversation rendered with the model's chat template: `trained`
+    is True on the tokens of each assistant message and the template's end-of-turn after it,
+    False on the rest (system, user and tool-response turns, the template's own markup).
+    With `final_only`, only the final assistant message is trained; earlier ones are prompt.
+
+    Rendered turn by turn: before a trained message, the conversation so far with the generation
+    prompt (the exact text the policy is given at inference); after it, the conversation through
+    it. Each rendering must extend the one before; each new piece is tokenized on its own and the
+    ids joined, so the boundaries are exact whatever the tokenizer would merge across them, and a
+    prompt's tokens are those generation sees. Cut to the first `max_length` tokens.
     """
     messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     if not messages or messages[-1]["role"] != "assistant":
-        raise ValueError("an SFT example must end with an assistant message (the target)")
-    full = tokenizer.apply_chat_template(messages, tokenize=False)
-    prompt = tokenizer.apply_chat_template(
-        messages[:-1], tokenize=False, add_generation_prompt=True
-    )
-    if not full.startswith(prompt):
-        raise ValueError(
-            "the chat template does not render the conversation as its prompt (the messages before "
-            "the final one, with the generation prompt) followed by the answer, so the answer "
-            f"cannot be told apart: prompt {prompt[-200:]!r}, conversation {full[-200:]!r}"
+        raise ValueError("the conversation must end with an assistant message (the target)")
+    targets = [len(messages) - 1] if final_only else _assistant_indices(messages)
+    pieces: list[tuple[str, bool]] = []
+    rendered = ""
+    for index in targets:
+        prompt = tokenizer.apply_chat_template(
+            messages[:index], tokenize=False, add_generation_prompt=True
         )
-    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    target_ids = tokenizer(full[len(prompt) :], add_special_tokens=False)["input_ids"]
-    input_ids = (prompt_ids + target_ids)[:max_length]
-    labels = ([IGNORE] * len(prompt_ids) + target_ids)[:max_length]
-    return input_ids, labels
+        full = tokenizer.apply_chat_template(messages[: index + 1], tokenize=False)
+        if not (prompt.startswith(rendered) and full.startswith(prompt)):
+            raise ValueError(
+                "the chat template does not render the conversation as its prompt (the messages "
+                "before an assistant message, with the generation prompt) followed by that "
+                "message, so the message cannot be told apart: rendered so far "
+                f"{rendered[-200:]!r}, prompt {prompt[-200:]!r}, conversation {full[-200:]!r}"
+            )
+        pieces += [(prompt[len(rendered) :], False), (full[len(prompt) :], True)]
+        rendered = full
+    input_ids: list[int] = []
+    trained: list[bool] = []
+    for text, is_target in pieces:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+        input_ids += ids
+        trained += [is_target] * len(ids)
+    return input_ids[:max_length], trained[:max_length]
+
+
+def _assistant_indices(messages: list[dict[str, str]]) -> list[int]:
+    return [i for i, m in enumerate(messages) if m["role"] == "assistant"]
 
 
 def train_sft(

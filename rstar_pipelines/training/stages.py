@@ -60,18 +60,27 @@ class TrainingStage(Stage):
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
         raise NotImplementedError
 
-    def checkpoint_name(self) -> str:
-        """The folder under <data>/checkpoints/ that holds one checkpoint per run."""
-        return f"{self.job}-r{self.params.round}"
-
-    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
-        p = self.params
+    def training_data(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> pa.Table:
+        """The rows the trainer reads: the data_input table, which must not be empty."""
         data = inputs[self.data_input]
         if data.num_rows == 0:
             raise StageInputError(
                 f"{self.data_input} is empty: there is nothing to train the {self.job} on "
                 f"({self.empty_hint})"
             )
+        return data
+
+    def train_settings(self, ctx: StageContext) -> dict[str, Any]:
+        """The `train` block of the trainer's config."""
+        return self.params.train.model_dump(mode="json")
+
+    def checkpoint_name(self) -> str:
+        """The folder under <data>/checkpoints/ that holds one checkpoint per run."""
+        return f"{self.job}-r{self.params.round}"
+
+    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
+        p = self.params
+        data = self.training_data(ctx, inputs)
         base = self.base_model(ctx, inputs)
         out = (
             settings.data_dir()
@@ -86,7 +95,7 @@ class TrainingStage(Stage):
             "base_model": base,
             "data": str(out / "train_data.parquet"),
             "output_dir": str(out),
-            "train": p.train.model_dump(mode="json"),
+            "train": self.train_settings(ctx),
             "num_threads": p.num_threads,
         }
         (out / "train_config.json").write_text(json.dumps(config, indent=2))
@@ -146,10 +155,15 @@ class PPMCheckpoint(TrainingStage):
     data_input = "ppm_pairs"
 
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
-        rows = inputs["policy_checkpoint"].to_pylist()
-        if not rows:
-            raise StageInputError("policy_checkpoint has no row: train the policy first")
-        return rows[-1]["path"]
+        return policy_checkpoint_path(inputs)
+
+
+def policy_checkpoint_path(inputs: dict[str, pa.Table]) -> str:
+    """The directory of the round's trained policy."""
+    rows = inputs["policy_checkpoint"].to_pylist()
+    if not rows:
+        raise StageInputError("policy_checkpoint has no row: train the policy first")
+    return rows[-1]["path"]
 
 
 def _local_model(ctx: StageContext, model: str | None) -> str:

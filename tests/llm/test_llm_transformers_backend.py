@@ -238,3 +238,20 @@ def test_sliding_window_model_samples_n_copies(tmp_path):
     sampled = llm.generate(PROMPTS, greedy.model_copy(update={"temperature": 1e-4, "n": 3}))
     assert sampled == [samples * 3 for samples in expected]
     assert len({samples[0].text for samples in expected}) > 1
+
+
+def test_wrapped_model_generates_with_its_current_weights_in_eval_mode(tiny_base):
+    loaded = TransformersLLM(tiny_base)
+    model = AutoModelForCausalLM.from_pretrained(tiny_base)
+    model.train()
+    modes = []
+    model.model.layers[0].register_forward_hook(lambda module, *_: modes.append(module.training))
+    wrapped = TransformersLLM.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
+    greedy = GREEDY.model_copy(update={"max_tokens": 8})
+    before = wrapped.generate(PROMPTS, greedy)
+    assert before == loaded.generate(PROMPTS, greedy)  # the same weights as the loaded copy
+    assert modes and not any(modes) and model.training  # eval while generating, then put back
+    with torch.no_grad():
+        model.model.norm.weight.mul_(-1)  # every logit changes sign: argmax becomes argmin
+    assert wrapped.generate(PROMPTS, greedy) != before
+    assert wrapped.name == "trainee" and isinstance(wrapped, LLM)

@@ -12,6 +12,7 @@ from rstar_pipelines.llm import Completion
 from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
+from rstar_pipelines.math.tree import tree_from_rows
 from rstar_sandbox import Sandbox
 
 PREFIX = "Question: What is 2 + 3?\n"
@@ -174,6 +175,49 @@ def test_trajectories_and_sft_sample(sandbox):
     best = best_trajectories(tree, n=2)
     assert [t.leaf.node_id for t in best] == ["0.1.1.1", "0.2.2.1.1"]
     assert [t.leaf.node_id for t in best_trajectories(tree, n=1)] == ["0.1.1.1"]
+
+
+class TokenCountingPolicy(ScriptedPolicy):
+    """The scripted steps, each costing as many tokens as it has characters."""
+
+    def __init__(self):
+        super().__init__()
+        self.generated = 0
+
+    def generate(self, prompts, params):
+        out = []
+        for completions in super().generate(prompts, params):
+            sized = []
+            for c in completions:
+                tokens = len(c.text + (c.stop_string or ""))
+                self.generated += tokens
+                sized.append(Completion(c.text, c.finish_reason, c.stop_string, 10, tokens))
+            out.append(sized)
+        return out
+
+
+def test_nodes_count_every_generated_token(sandbox):
+    # First rollout (see test_first_rollout): the root's three samples are kept as they
+    # are; 0.1's duplicate D is folded into 0.1.1; the wrong answer sampled beside F is
+    # dropped by the one-answer rule and counted on 0.1.1.1.
+    policy = TokenCountingPolicy()
+    config = MCTSConfig(rollouts=1, width=3, max_depth=4, errors_threshold=1)
+    tree = search([PROBLEM], policy, sandbox, config, prompt=PROMPT)[0]
+    tokens = {r["node_id"]: r["completion_tokens"] for r in tree.nodes.to_pylist()}
+    seven = "\n<answer>\\boxed{7}" + ANSWER_END
+    assert tokens == {
+        "0": None,
+        "0.1": len(A),
+        "0.1.1": 2 * len(D),
+        "0.1.1.1": len(F) + len(seven),
+        "0.1.2": len(E),
+        "0.2": len(B),
+        "0.3": len(C),
+    }
+    assert sum(t for t in tokens.values() if t) == policy.generated
+    # A tree stored before nodes counted tokens still loads, without the counts.
+    old = [{k: v for k, v in r.items() if k != "completion_tokens"} for r in tree.nodes.to_pylist()]
+    assert {n.completion_tokens for n in tree_from_rows(old).walk()} == {None}
 
 
 class ScriptedPPM:

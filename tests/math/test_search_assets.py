@@ -134,6 +134,8 @@ def test_two_self_evolution_rounds(two_rounds):
     }
     # The SeerAttention-R gates are another branch, tested in tests/training/test_gate_assets.py.
     skipped |= {"gate_distill_data", "attn_gate_checkpoint"}
+    # DSER and the comparison of the methods: tested in tests/dser/test_eval_assets.py.
+    skipped |= {"dser_eval", "eval_comparison", "dser_eval_r2", "eval_comparison_r2"}
     # Round 2 is searched (with round 1's checkpoints) but not trained on.
     skipped |= {
         "ppm_pairs_r2",

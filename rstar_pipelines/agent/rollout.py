@@ -1,0 +1,214 @@
+"""Multi-turn tool-using rollouts (rStar2-Agent, spec §6.2), batched turn by turn.
+
+    trajectories = run_rollouts(llm, sandbox, prompts, n=4, config=RolloutConfig())
+    # one list per prompt: its n Trajectory records
+
+Each turn makes ONE `llm.generate` call over every live trajectory of every prompt (the first
+turn: the prompts with `n` samples each; later turns: each conversation so far, which ends with a
+user tool-response turn, so the chat template opens a new assistant turn) and then ONE
+`sandbox.run` over all the tool calls those turns made. A trajectory stops when its turn makes no
+tool call ("answer"), when its turn was the last allowed one ("max_turns") or when its token
+budget is spent or a turn was cut by a token limit ("length"). It never ends on a user turn: the
+calls of a final turn are not run.
+
+One generate call serves trajectories with different budgets left, and it takes one `max_tokens`:
+the largest budget left (capped by `max_turn_tokens`). A turn longer than its own trajectory's
+budget left is discarded with the tool responses it followed, so the trajectory ends, "length",
+on its previous assistant turn (whose calls then count as not run) and never holds more than
+`max_response_tokens` model tokens. The reference gives each request its own limit instead and
+keeps the cut turn; either way such a trajectory ends without an answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
+from rstar_sandbox import Job, Sandbox
+
+from .format import (
+    ParsedCall,
+    parse_tool_calls,
+    render_result,
+    render_tool_responses,
+    truncate_middle,
+)
+
+__all__ = ["FinishReason", "RolloutConfig", "ToolCall", "Trajectory", "run_rollouts"]
+
+FinishReason = Literal["answer", "max_turns", "length"]
+
+
+class RolloutConfig(BaseModel):
+    """Every limit of a rollout."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_turns: int = Field(5, ge=1, description="most assistant turns of a trajectory")
+    max_response_tokens: int = Field(
+        1024, ge=1, description="most model tokens of a trajectory, all its turns together"
+    )
+    max_turn_tokens: int | None = Field(
+        None, ge=1, description="most tokens of one assistant turn (None: what the budget has left)"
+    )
+    max_tool_response_chars: int = Field(
+        1024,
+        ge=1,
+        description="tool responses are middle-truncated to this many characters; verl's default "
+        "of 256 (which rStar2 keeps) cuts most tracebacks, so ours is larger",
+    )
+    all_tool_calls: bool = Field(
+        True,
+        description="run every call of a turn; False reproduces the reference, which runs only "
+        "the first (the others get no response and are not recorded)",
+    )
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    timeout_s: float = Field(4.0, gt=0.0, description="time limit of one tool call")
+    memory_mb: int = Field(256, ge=1, description="memory limit of one tool call")
+
+
+@dataclass
+class ToolCall:
+    """A call the model got a response to."""
+
+    code: str
+    stdin: str
+    status: str | None  # the sandbox's status ("ok", "runtime_error", ...); None: did not parse
+    output: str  # the tool response the model read (truncated)
+
+
+@dataclass
+class Trajectory:
+    prompt: list[dict]  # the system and user messages the rollout started from
+    # The rollout's turns: assistant and user (tool responses) alternating, ending with assistant.
+    messages: list[dict] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    completion_tokens: int = 0  # model tokens over all turns
+    finish_reason: FinishReason | None = None  # None only while the rollout runs
+
+    @property
+    def final_text(self) -> str:
+        """The last assistant turn."""
+        return self.messages[-1]["content"]
+
+
+@dataclass
+class _Live:
+    trajectory: Trajectory
+    answered: int = 0  # calls answered by its last user turn (undone if the next turn is cut)
+
+
+def run_rollouts(
+    llm: LLM,
+    sandbox: Sandbox,
+    prompts: Sequence[Sequence[dict]],
+    n: int,
+    config: RolloutConfig,
+    seed: int | None = None,
+) -> list[list[Trajectory]]:
+    """`n` trajectories per prompt (chat messages ending with the user's problem), in order.
+
+    Turn t samples with seed `seed + t`, so the same seed gives the same rollouts.
+    """
+    if n < 1:
+        raise ValueError(f"n (rollouts per prompt) must be at least 1, got {n}")
+    for index, prompt in enumerate(prompts):
+        if not prompt or isinstance(prompt, str) or prompt[-1].get("role") != "user":
+            raise ValueError(f"prompt {index} must be chat messages ending with a user message")
+    groups = [[Trajectory(prompt=[dict(m) for m in p]) for _ in range(n)] for p in prompts]
+    live = [_Live(t) for group in groups for t in group]
+    for turn in range(config.max_turns):
+        if not live:
+            break
+        budget_left = max(config.max_response_tokens - x.trajectory.completion_tokens for x in live)
+        params = SamplingParams(
+            n=n if turn == 0 else 1,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            max_tokens=min(config.max_turn_tokens or budget_left, budget_left),
+            seed=None if seed is None else seed + turn,
+        )
+        if turn == 0:
+            completions = [c for out in llm.generate(list(prompts), params) for c in out]
+        else:
+            chats = [[*x.trajectory.prompt, *x.trajectory.messages] for x in live]
+            completions = [out[0] for out in llm.generate(chats, params)]
+        if len(completions) != len(live):
+            raise RuntimeError(
+                f"LLM {llm.name!r} returned {len(completions)} completions for {len(live)}"
+            )
+        calling = []
+        for state, completion in zip(live, completions, strict=True):
+            if completion.completion_tokens > params.max_tokens:
+                raise RuntimeError(
+                    f"LLM {llm.name!r} generated {completion.completion_tokens} tokens "
+                    f"with max_tokens={params.max_tokens}"
+                )
+            calls = _take_turn(state, completion, turn, config)
+            if calls:
+                calling.append((state, calls))
+        _answer_calls(calling, sandbox, config)
+        live = [state for state, _ in calling]
+    return groups
+
+
+def _take_turn(
+    state: _Live, completion: Completion, turn: int, config: RolloutConfig
+) -> list[ParsedCall]:
+    """Record one assistant turn; the calls to answer, or [] once the trajectory is finished."""
+    trajectory = state.trajectory
+    if trajectory.completion_tokens + completion.completion_tokens > config.max_response_tokens:
+        # Longer than this trajectory's budget left (see the module docstring); only possible
+        # after a tool-response turn, since the first turn's limit is the whole budget.
+        trajectory.messages.pop()
+        del trajectory.tool_calls[len(trajectory.tool_calls) - state.answered :]
+        trajectory.finish_reason = "length"
+        return []
+    trajectory.messages.append({"role": "assistant", "content": completion.text})
+    trajectory.completion_tokens += completion.completion_tokens
+    calls = parse_tool_calls(completion.text)
+    if completion.finish_reason == "length":
+        trajectory.finish_reason = "length"
+    elif not calls:
+        trajectory.finish_reason = "answer"
+    elif turn + 1 == config.max_turns:
+        trajectory.finish_reason = "max_turns"
+    elif trajectory.completion_tokens >= config.max_response_tokens:
+        trajectory.finish_reason = "length"
+    else:
+        return calls if config.all_tool_calls else calls[:1]
+    return []
+
+
+def _answer_calls(
+    calling: list[tuple[_Live, list[ParsedCall]]], sandbox: Sandbox, config: RolloutConfig
+) -> None:
+    """Run every parsed call of this turn in one sandbox.run; append each trajectory's responses
+    as one user turn."""
+    jobs = [
+        Job(code=c.code, stdin=c.stdin, timeout_s=config.timeout_s, memory_mb=config.memory_mb)
+        for _, calls in calling
+        for c in calls
+        if c.error is None
+    ]
+    results = iter(sandbox.run(jobs) if jobs else [])
+    for state, calls in calling:
+        outputs = []
+        for call in calls:
+            if call.error is None:
+                result = next(results)
+                status, text = result.status, render_result(result)
+            else:
+                status, text = None, call.error
+            output = truncate_middle(text, config.max_tool_response_chars)
+            state.trajectory.tool_calls.append(ToolCall(call.code, call.stdin, status, output))
+            outputs.append(output)
+        state.trajectory.messages.append(
+            {"role": "user", "content": render_tool_responses(outputs)}
+        )
+        state.answered = len(calls)

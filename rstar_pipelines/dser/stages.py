@@ -1,0 +1,282 @@
+"""dser_eval: deep self-evolving reasoning with the round's policy on the held-out problems
+(math and code), with the Markov diagnostics of its chains."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import pyarrow as pa
+from pydantic import Field
+
+from rstar_pipelines.dser.evolve import (
+    DSERConfig,
+    DSERProblem,
+    DSERPrompts,
+    DSERRun,
+    Judge,
+    run_dser,
+)
+from rstar_pipelines.dser.markov import (
+    TransitionCounts,
+    accuracy_by_iteration,
+    estimate,
+    observed_accuracy,
+    transition_counts,
+)
+from rstar_pipelines.math.search_stages import (
+    SearchModels,
+    checkpoint_path,
+    is_heldout,
+    verified_math_problems,
+)
+from rstar_pipelines.pipeline.item_cache import fingerprint
+from rstar_pipelines.pipeline.plots import line_plot, markdown_table
+from rstar_pipelines.pipeline.stage import (
+    Stage,
+    StageContext,
+    StageInputError,
+    StageParams,
+    StageResult,
+    rows_of,
+)
+from rstar_pipelines.storage import schemas
+
+
+@dataclass(frozen=True)
+class HeldoutProblem:
+    batch: str
+    problem: DSERProblem
+
+
+def verified_code_problems(inputs: dict[str, pa.Table]) -> list[HeldoutProblem]:
+    """Code problems with verified test inputs and labels, with their text."""
+    text = {r["id"]: r["problem"] for r in rows_of(inputs["synthesized_problems"])}
+    return [
+        HeldoutProblem(
+            r["batch"],
+            DSERProblem(
+                r["problem_id"],
+                "code",
+                text[r["problem_id"]],
+                inputs=tuple(r["inputs"]),
+                labels=tuple(r["labels"]),
+            ),
+        )
+        for r in rows_of(inputs["verified_outputs"], "code")
+        if r["verified"]
+        and r["inputs"]
+        and len(r["labels"] or []) == len(r["inputs"])
+        and r["problem_id"] in text
+    ]
+
+
+def heldout_problems(
+    inputs: dict[str, pa.Table], fraction: float, max_problems: int | None
+) -> list[HeldoutProblem]:
+    """The verified problems of the held-out split (mcts_eval's), at most `max_problems`
+    of each domain."""
+    math = [
+        HeldoutProblem(q["batch"], DSERProblem(q["id"], "math", q["question"], q["answer"]))
+        for q in verified_math_problems(inputs)
+    ]
+    chosen = []
+    for found in (math, verified_code_problems(inputs)):
+        chosen += [h for h in found if is_heldout(h.problem.id, fraction)][:max_problems]
+    return chosen
+
+
+def dser_prompts(stage: Stage) -> DSERPrompts:
+    return DSERPrompts.from_templates(
+        stage.prompts["solve"], stage.prompts["verify"], stage.prompts["refine"]
+    )
+
+
+class DSEREvalParams(StageParams):
+    round: int = Field(1, ge=1)
+    dser: DSERConfig = DSERConfig()
+    heldout_fraction: float = Field(
+        0.2, ge=0, lt=1, description="problems kept for evaluation (the split mcts_eval uses)"
+    )
+    max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
+    chunk: int = Field(8, ge=1, description="problems evolved together (and per cache commit)")
+    timeout_s: float = Field(5.0, gt=0, description="per program run, grading code states")
+    memory_mb: int = Field(256, gt=0)
+
+
+class DSEREvaluation(Stage):
+    """On the held-out verified problems (math and code), this round's policy evolving
+    its own solutions: parallel verify-then-refine chains, a vote over their last states,
+    and the two-state Markov chain the transitions between states estimate."""
+
+    Params = DSEREvalParams
+    schema = schemas.DSER_EVAL
+    prompt_roles = ("solve", "verify", "refine")
+    resources = ("llm", "sandbox")
+    kinds = frozenset({"python", "docker"})
+
+    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
+        p = self.params
+        problems = heldout_problems(inputs, p.heldout_fraction, p.max_problems)
+        if not problems:
+            raise StageInputError(
+                f"dser_eval: no verified problem falls in the held-out split "
+                f"(heldout_fraction={p.heldout_fraction}) of verified_outputs: verify more "
+                f"problems or raise heldout_fraction"
+            )
+        models = SearchModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
+        prompts = dser_prompts(self)
+
+        def key(item: HeldoutProblem) -> str:
+            q = item.problem
+            return fingerprint(
+                "dser",
+                models.policy_name,
+                p.dser.model_dump(mode="json"),
+                p.timeout_s,
+                p.memory_mb,
+                {role: t.sha256 for role, t in sorted(self.prompts.items())},
+                [q.domain, q.question, q.answer, q.inputs, q.labels],
+            )
+
+        def compute(chunk: list[HeldoutProblem]) -> list[dict]:
+            llm = models.policy()
+            code = any(h.problem.domain == "code" for h in chunk)
+            judge = Judge(ctx.resource("sandbox").get() if code else None, p.timeout_s, p.memory_mb)
+            start = time.perf_counter()  # after loading the model: the evolution's own time
+            runs = run_dser(llm, [h.problem for h in chunk], p.dser, prompts, judge)
+            seconds = (time.perf_counter() - start) / len(chunk)
+            ctx.log.info(f"evolved {len(chunk)} problems in {seconds * len(chunk):.1f}s")
+            return [{**_outcome(run, p.dser.vote_last), "seconds": seconds} for run in runs]
+
+        stored = ctx.cache.map(problems, key, compute, p.chunk)
+        rows = [
+            {
+                "problem_id": h.problem.id,
+                "batch": h.batch,
+                "round": p.round,
+                "domain": h.problem.domain,
+                "gold_answer": h.problem.answer,
+                **outcome,
+                "policy": models.policy_name,
+            }
+            for h, outcome in zip(problems, stored, strict=True)
+        ]
+        return StageResult(
+            table=pa.Table.from_pylist(rows, schema=self.schema),
+            metadata={"policy": models.policy_name, **_dser_summary(rows, p.dser.vote_last)},
+        )
+
+
+def _outcome(run: DSERRun, vote_last: int) -> dict:
+    """What is kept of one problem's run: plain values, as cached and as the row holds them."""
+    graded = run.correctness
+    counts = transition_counts(graded)
+    markov = estimate(counts)
+    return {
+        "vote_answer": run.vote_answer,
+        "vote_correct": run.vote_correct,
+        "states": [
+            {
+                "chain": c,
+                "iteration": s.iteration,
+                "text": s.text,
+                "answer": s.answer,
+                "verdict": s.verdict,
+                "correct": s.correct,
+                "tokens": s.tokens,
+            }
+            for c, chain in enumerate(run.chains)
+            for s in chain
+        ],
+        **{f"transitions_{k}": getattr(counts, k) for k in ("cc", "ci", "ic", "ii")},
+        "p_improve": markov.p_improve,
+        "p_degrade": markov.p_degrade,
+        "predicted_accuracy": markov.predicted,
+        "observed_accuracy": observed_accuracy(graded, vote_last),
+        "tokens": run.tokens,
+        "calls": run.calls,
+    }
+
+
+def _chains(row: dict) -> list[list[bool]]:
+    """A row's per-chain correctness, in iteration order."""
+    chains: dict[int, list[bool]] = defaultdict(list)
+    for state in sorted(row["states"], key=lambda s: (s["chain"], s["iteration"])):
+        chains[state["chain"]].append(state["correct"])
+    return list(chains.values())
+
+
+def _dser_summary(rows: list[dict], vote_last: int) -> dict:
+    """Per domain: the vote's accuracy, the first solutions', and the Markov diagnostics
+    of all its chains pooled; and the accuracy of the states per iteration."""
+    table, by_iteration = [], {}
+    for domain in ("math", "code"):
+        mine = [r for r in rows if r["domain"] == domain]
+        if not mine:
+            continue
+        chains = [chain for r in mine for chain in _chains(r)]
+        counts = sum(
+            (
+                TransitionCounts(*(r[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii")))
+                for r in mine
+            ),
+            TransitionCounts(),
+        )
+        markov = estimate(counts)
+        by_iteration[domain] = accuracy_by_iteration(chains)
+        table.append(
+            [
+                domain,
+                len(mine),
+                _fmt(mean(r["vote_correct"] for r in mine)),
+                _fmt(by_iteration[domain][0]),
+                _fmt(observed_accuracy(chains, vote_last)),
+                _fmt(markov.predicted),
+                _fmt(markov.p_improve),
+                _fmt(markov.p_degrade),
+                f"{mean(r['tokens'] for r in mine):.0f}",
+                f"{mean(r['seconds'] for r in mine):.2f}",
+            ]
+        )
+    return {
+        "problems": len(rows),
+        "accuracy": mean(r["vote_correct"] for r in rows),
+        "tokens_per_problem": mean(r["tokens"] for r in rows),
+        "seconds_per_problem": mean(r["seconds"] for r in rows),
+        "summary": markdown_table(
+            [
+                "domain",
+                "problems",
+                "vote accuracy",
+                "first solutions",
+                f"last {vote_last} states",
+                "Markov prediction",
+                "p_improve",
+                "p_degrade",
+                "tokens/problem",
+                "seconds/problem",
+            ],
+            table,
+        ),
+        **{
+            f"accuracy_by_iteration_{domain}": line_plot(
+                values,
+                f"DSER {domain}: correct states by iteration",
+                "iteration (0: first solution)",
+                "fraction correct",
+                first_x=0,
+            )
+            for domain, values in by_iteration.items()
+        },
+    }
+
+
+def mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else 0.0
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"

@@ -1,0 +1,332 @@
+"""mcts_eval, dser_eval and eval_comparison through Dagster: a scripted policy (the golden
+MCTS tree's steps, and fixed DSER solutions, critiques and refinements) with a real PPM
+from a tiny random model and the real sandbox; every figure below is computed by hand."""
+
+from __future__ import annotations
+
+import logging
+
+import dagster as dg
+import pyarrow as pa
+import pytest
+
+from rstar_pipelines import settings
+from rstar_pipelines.definitions import build_definitions, load_spec
+from rstar_pipelines.dser.evolve import DSERProblem, DSERPrompts
+from rstar_pipelines.llm import Completion
+from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.math.search_stages import is_heldout
+from rstar_pipelines.math.steps import PREAMBLE
+from rstar_pipelines.pipeline.prompts import PromptTemplate
+from rstar_pipelines.pipeline.stage import StageContext, StageInputError
+from rstar_pipelines.sandbox_resource import SandboxResource
+from rstar_pipelines.storage import query, schemas
+from rstar_pipelines.storage.parquet_io import write_table
+from tests.conftest import REPO
+from tests.math.test_mcts import SCRIPT, A, D
+
+MATH_Q = "What is 2 + 3?"
+CODE_Q = "Read an integer n and print 2 * n."
+IDS = [f"p{i}" for i in range(40)]
+HELDOUT = [i for i in IDS if is_heldout(i, 0.2)]
+TRAIN = [i for i in IDS if not is_heldout(i, 0.2)]
+MATH_IDS = HELDOUT[:2]  # mcts_eval and dser_eval take at most 2 of each domain
+CODE_ID = HELDOUT[2]
+
+# DSER on the math problem. Chain 0: wrong (I), refined to right (C), verified and kept (C).
+# Chain 1: right (C) but its verification says otherwise, refined to wrong (I), refined
+# to right again (C).
+WRONG = "2 + 3 = 6, so \\boxed{6}"
+RIGHT = "2 + 3 = 5, so \\boxed{5}"
+FIXED = "Adding again: \\boxed{5}"
+BROKEN = "Maybe it is \\boxed{7}"
+# The code problem. Chain 0: right and verified twice (C, C, C); chain 1: wrong (prints
+# n + 2: right on 2, wrong on 5), refined to another right program (I, C, C).
+GOOD = "```python\nn = int(input())\nprint(2 * n)\n```"
+BAD = "```python\nn = int(input())\nprint(n + 2)\n```"
+GOOD2 = "```python\nprint(int(input()) * 2)\n```"
+
+NO = "VERDICT: INCORRECT"
+YES = "VERDICT: CORRECT"
+VERIFY = {
+    WRONG: f"3 + 2 is not 6.\n{NO}",
+    RIGHT: f"I am not sure.\n{NO}",
+    FIXED: f"Checks out.\n{YES}",
+    BROKEN: f"2 + 3 is not 7.\n{NO}",
+    GOOD: f"Doubles n.\n{YES}",
+    BAD: f"Adds 2 instead of doubling.\n{NO}",
+    GOOD2: f"Doubles n too.\n{YES}",
+}
+REFINE = {WRONG: FIXED, RIGHT: BROKEN, BROKEN: FIXED, BAD: GOOD2}
+SOLVE = {"math": [WRONG, RIGHT], "code": [GOOD, BAD]}
+
+MATH = DSERProblem("m", "math", MATH_Q, "5")
+CODE = DSERProblem("c", "code", CODE_Q, inputs=("2", "5"), labels=("4", "10"))
+
+
+def _prompts() -> DSERPrompts:
+    load = lambda name: PromptTemplate.load(REPO / "assets" / "prompts", name)  # noqa: E731
+    return DSERPrompts.from_templates(
+        load("dser_solve.jinja"), load("dser_verify.jinja"), load("dser_refine.jinja")
+    )
+
+
+def _dser_script() -> dict[str, list[str]]:
+    """What the policy writes after each DSER prompt (a user message)."""
+    prompts, script = _prompts(), {}
+    for problem in (MATH, CODE):
+        script[prompts.solve(problem)] = SOLVE[problem.domain]
+        for solution, critique in VERIFY.items():
+            script[prompts.verify(problem, solution)] = [critique]
+            if solution in REFINE:
+                script[prompts.refine(problem, solution, critique)] = [REFINE[solution]]
+    return script
+
+
+def _tokens(text: str) -> int:
+    return len(text)  # what each scripted completion costs
+
+
+class ScriptedPolicy:
+    """The golden MCTS tree's steps after the search's chat prompt; the DSER script after
+    a single user message. `n` completions: the scripted ones, repeated in turn."""
+
+    name = "scripted"
+
+    def __init__(self):
+        self.dser = _dser_script()
+        self.prompts = 0
+
+    def generate(self, prompts, params):
+        self.prompts += len(prompts)
+        out = []
+        for prompt in prompts:
+            if len(prompt) == 2:  # the search: the question, then the steps so far
+                assert prompt[0]["content"].strip() == MATH_Q
+                texts = SCRIPT[prompt[1]["content"].removeprefix(PREAMBLE)]
+            else:
+                texts = self.dser[prompt[0]["content"]]
+            out.append([_completion(texts[i % len(texts)]) for i in range(params.n)])
+        return out
+
+
+def _completion(text: str) -> Completion:
+    for stop in ("<end_of_step>", "<end_of_code>", "<end_of_answer>"):
+        if text.endswith(stop):
+            return Completion(text[: -len(stop)], "stop", stop, 10, _tokens(text))
+    return Completion(text, "eos", None, 10, _tokens(text))
+
+
+POLICY = ScriptedPolicy()
+
+
+class ScriptedLLMResource(LLMResource):
+    def get_llm(self, model=None):
+        return POLICY
+
+
+def _write_upstream(tmp_path, tiny_base) -> str:
+    """The verified problems of batch b1 and this round's checkpoints; the policy's path."""
+    from rstar_pipelines.training.ppm import ProcessPreferenceModel
+
+    math_ids = [*MATH_IDS, TRAIN[0]]  # the last is on the training side of the split
+    code_ids = [CODE_ID, TRAIN[1]]
+    problems, verified = [], []
+    for domain, ids, text in (("math", math_ids, MATH_Q), ("code", code_ids, CODE_Q)):
+        for i in ids:
+            problems.append(
+                {"id": i, "batch": "b1", "domain": domain, "problem": text, "is_seed": True}
+            )
+            verified.append(
+                {
+                    "problem_id": i,
+                    "batch": "b1",
+                    "domain": domain,
+                    "verified": True,
+                    "answer": "5" if domain == "math" else None,
+                    "inputs": list(CODE.inputs) if domain == "code" else [],
+                    "labels": list(CODE.labels) if domain == "code" else [],
+                }
+            )
+    lake = settings.lake_dir()
+    write_table(
+        pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
+        lake / "synthesized_problems" / "b1.parquet",
+    )
+    write_table(
+        pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
+        lake / "verified_outputs" / "b1.parquet",
+    )
+    policy = str(tmp_path / "policy")  # the scripted resource answers for any path
+    ppm = ProcessPreferenceModel.from_base(tiny_base).save(tmp_path / "ppm")
+    for key, path in (("policy_checkpoint", policy), ("ppm_checkpoint", str(ppm))):
+        row = {"id": key, "job": key, "round": 1, "path": path, "base_model": tiny_base}
+        write_table(pa.Table.from_pylist([row], schema=schemas.CHECKPOINT), lake / f"{key}.parquet")
+    return policy
+
+
+@pytest.fixture
+def evaluation(tmp_path, tiny_base):
+    spec = load_spec(REPO / "assets" / "pipeline.yaml")
+    defs = build_definitions(spec)
+    resources = {
+        **defs.resources,
+        "llm": ScriptedLLMResource(),
+        "sandbox": SandboxResource(backend="process", workers=2),
+    }
+    policy = _write_upstream(tmp_path, tiny_base)
+    return defs, resources, ScriptedLLMResource().model_id(policy)
+
+
+def _materialize(defs, resources, instance):
+    result = dg.materialize(
+        list(defs.assets),
+        selection=["mcts_eval", "dser_eval", "eval_comparison"],
+        instance=instance,
+        resources=resources,
+    )
+    assert result.success
+    return {k: query(f"select * from {k} order by {order}").to_pylist() for k, order in ORDER}
+
+
+ORDER = (("mcts_eval", "problem_id"), ("dser_eval", "problem_id"), ("eval_comparison", "method"))
+
+
+def _metadata(instance, key):
+    event = instance.get_latest_materialization_event(dg.AssetKey(key))
+    return {k: v.value for k, v in event.asset_materialization.metadata.items()}
+
+
+def test_three_evaluations_and_their_comparison(evaluation):
+    defs, resources, policy = evaluation
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("seed_batches", ["b1"])
+        first = _materialize(defs, resources, instance)
+        calls = POLICY.prompts
+
+        # mcts_eval: the two held-out math problems. Greedy (one sample, depth 2) writes
+        # A, then D, whose depth ends the branch without an answer.
+        mcts = first["mcts_eval"]
+        assert sorted(r["problem_id"] for r in mcts) == sorted(MATH_IDS)
+        for r in mcts:
+            assert (r["greedy_answer"], r["greedy_correct"]) == (None, False)
+            assert r["greedy_tokens"] == _tokens(A) + _tokens(D)
+            assert r["search_tokens"] > r["greedy_tokens"]
+            assert r["greedy_seconds"] > 0 and r["search_seconds"] > 0
+            assert r["policy"] == policy
+
+        # dser_eval: the two math problems and the held-out code problem.
+        dser = {r["problem_id"]: r for r in first["dser_eval"]}
+        assert sorted(dser) == sorted([*MATH_IDS, CODE_ID])
+        math = dser[MATH_IDS[0]]
+        states = [(s["chain"], s["iteration"], s["text"], s["correct"]) for s in math["states"]]
+        assert states == [
+            (0, 0, WRONG, False),
+            (0, 1, FIXED, True),
+            (0, 2, FIXED, True),
+            (1, 0, RIGHT, True),
+            (1, 1, BROKEN, False),
+            (1, 2, FIXED, True),
+        ]
+        assert [s["verdict"] for s in math["states"]] == [False, True, None, False, False, None]
+        # Transitions: chain 0 I->C, C->C; chain 1 C->I, I->C. p_improve = 2/2, p_degrade
+        # = 1/2, stationary accuracy 1 / 1.5; the last 2 states: 3 of 4 correct.
+        counts = [math[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii")]
+        assert counts == [1, 1, 2, 0]
+        assert (math["p_improve"], math["p_degrade"]) == (1.0, 0.5)
+        assert math["predicted_accuracy"] == pytest.approx(2 / 3)
+        assert math["observed_accuracy"] == 0.75
+        # The vote over FIXED, FIXED, BROKEN, FIXED.
+        assert (math["vote_answer"], math["vote_correct"]) == ("5", True)
+        # One solve call (2 samples), then per iteration the verifications of both chains
+        # and the refinements of the chains that did not pass (2, then 1).
+        assert math["calls"] == 2 + 2 + 2 + 2 + 1
+        written = [WRONG, RIGHT, VERIFY[WRONG], VERIFY[RIGHT], FIXED, BROKEN]
+        written += [VERIFY[FIXED], VERIFY[BROKEN], FIXED]
+        assert math["tokens"] == sum(map(_tokens, written))
+        assert sum(s["tokens"] for s in math["states"]) == math["tokens"]
+        code = dser[CODE_ID]
+        assert [s["correct"] for s in code["states"]] == [True, True, True, False, True, True]
+        assert [code[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii")] == [3, 0, 1, 0]
+        assert (code["p_improve"], code["p_degrade"], code["predicted_accuracy"]) == (1, 0, 1)
+        assert code["vote_correct"] and "print(2 * n)" in code["vote_answer"]
+        assert code["calls"] == 2 + 2 + 1 + 2
+        assert all(r["seconds"] > 0 and r["policy"] == policy for r in dser.values())
+        dser_md = _metadata(instance, "dser_eval")
+        assert dser_md["accuracy"] == 1.0
+        assert dser_md["accuracy_by_iteration_math"].startswith("![DSER math")
+        # Pooled over both math problems: the first solutions 1 of 2 right, the Markov
+        # prediction as for one (both ran alike).
+        math_line = next(
+            line for line in dser_md["summary"].splitlines() if line.startswith("| math")
+        )
+        assert math_line.split(" | ")[1:6] == ["2", "1.000", "0.500", "0.750", "0.667"]
+
+        # eval_comparison: the four methods on the two shared math problems. The vote
+        # over 4 samples (WRONG, RIGHT, WRONG, RIGHT) ties, and the first class (6) wins.
+        compared = {r["method"]: r for r in first["eval_comparison"]}
+        assert set(compared) == {"greedy", "mcts_best_q", "majority_of_4", "dser"}
+        assert all(r["problems"] == 2 and r["policy"] == policy for r in compared.values())
+        mean = lambda column: sum(r[column] for r in mcts) / 2  # noqa: E731
+        assert (compared["greedy"]["accuracy"], compared["dser"]["accuracy"]) == (0.0, 1.0)
+        assert compared["greedy"]["tokens_per_problem"] == _tokens(A) + _tokens(D)
+        assert compared["greedy"]["seconds_per_problem"] == pytest.approx(mean("greedy_seconds"))
+        assert compared["mcts_best_q"]["accuracy"] == mean("best_q_correct")
+        assert compared["mcts_best_q"]["tokens_per_problem"] == mean("search_tokens")
+        assert compared["majority_of_4"]["accuracy"] == 0.0
+        assert compared["majority_of_4"]["tokens_per_problem"] == 2 * (
+            _tokens(WRONG) + _tokens(RIGHT)
+        )
+        assert compared["majority_of_4"]["seconds_per_problem"] > 0
+        assert compared["dser"]["tokens_per_problem"] == math["tokens"]
+        assert compared["dser"]["seconds_per_problem"] == pytest.approx(
+            sum(dser[i]["seconds"] for i in MATH_IDS) / 2
+        )
+        comparison_md = _metadata(instance, "eval_comparison")
+        table = comparison_md["comparison"].splitlines()
+        assert len(table) == 2 + 4 and "| majority_of_4 | 2 | 0.000 |" in table[4]
+        assert comparison_md["accuracy_vs_tokens"].startswith("![accuracy against tokens")
+
+        # Again: every result comes from the item caches, seconds included.
+        again = _materialize(defs, resources, instance)
+        assert again == first
+        assert POLICY.prompts == calls
+
+
+def _context(tmp_path, resources) -> StageContext:
+    return StageContext(
+        None, logging.getLogger("test"), resources=resources, cache_path=tmp_path / "cache.db"
+    )
+
+
+def test_no_heldout_problem_is_a_clear_error(tmp_path):
+    spec = load_spec(REPO / "assets" / "pipeline.yaml")
+    stage = spec.by_key["dser_eval"].stage()
+    problems = [{"id": i, "batch": "b1", "domain": "math", "problem": MATH_Q} for i in TRAIN[:3]]
+    verified = [
+        {"problem_id": i, "batch": "b1", "domain": "math", "verified": True, "answer": "5"}
+        for i in TRAIN[:3]
+    ]
+    inputs = {
+        "synthesized_problems": pa.Table.from_pylist(problems),
+        "verified_outputs": pa.Table.from_pylist(verified),
+        "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
+    }
+    with pytest.raises(StageInputError, match="no verified problem falls in the held-out split"):
+        stage.run(_context(tmp_path, {"llm": ScriptedLLMResource()}), inputs)
+
+
+def test_comparison_refuses_another_policy(tmp_path):
+    spec = load_spec(REPO / "assets" / "pipeline.yaml")
+    stage = spec.by_key["eval_comparison"].stage()
+    resource = ScriptedLLMResource()
+    evaluated = {"batch": "b1", "problem_id": MATH_IDS[0], "domain": "math"}
+    inputs = {
+        "mcts_eval": pa.Table.from_pylist(
+            [{**evaluated, "policy": resource.model_id("round_0_policy")}]
+        ),
+        "dser_eval": pa.Table.from_pylist([{**evaluated, "policy": resource.model_id("policy")}]),
+        "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
+    }
+    with pytest.raises(StageInputError, match="mcts_eval evaluated .*round_0_policy.*re-mat"):
+        stage.run(_context(tmp_path, {"llm": resource}), inputs)
