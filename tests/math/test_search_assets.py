@@ -136,6 +136,8 @@ def test_two_self_evolution_rounds(two_rounds):
     skipped |= {"gate_distill_data", "attn_gate_checkpoint"}
     # DSER and the comparison of the methods: tested in tests/dser/test_eval_assets.py.
     skipped |= {"dser_eval", "eval_comparison", "dser_eval_r2", "eval_comparison_r2"}
+    # GRPO-RoC from the policy checkpoints: tested in tests/training/test_grpo.py.
+    skipped |= {"grpo_roc_checkpoint", "grpo_roc_checkpoint_r2"}
     # Round 2 is searched (with round 1's checkpoints) but not trained on.
     skipped |= {
         "ppm_pairs_r2",
