@@ -23,6 +23,7 @@ import torch
 from rstar_kernels.distill import GateTrainConfig, train_gates
 from rstar_kernels.gate import SeerGates
 from rstar_kernels.hf import enable_seer_decoding
+from rstar_kernels.quality import kl_and_agreement, teacher_forced_logits
 from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 from rstar_sandbox.bench import machine
 
@@ -41,27 +42,6 @@ def demo_texts(tokenizer) -> list[str]:
             ]
             texts.append(tokenizer.apply_chat_template(chat, tokenize=False))
     return texts
-
-
-def teacher_forced_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Next-token logits at positions prefill-1 .. T-2: one prefill, then one token a step."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
-    with torch.inference_mode():
-        out = model(input_ids=ids[None, :prefill], cache=cache, use_cache=True)
-        logits = [out.logits[0, -1]]
-        for t in range(prefill, ids.shape[0] - 1):
-            out = model(input_ids=ids[None, t : t + 1], cache=cache, use_cache=True)
-            logits.append(out.logits[0, -1])
-    return torch.stack(logits).float()
-
-
-def compare(dense: torch.Tensor, sparse: torch.Tensor) -> tuple[float, float]:
-    log_p, log_q = dense.log_softmax(-1), sparse.log_softmax(-1)
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
-    agree = (dense.argmax(-1) == sparse.argmax(-1)).float().mean().item()
-    return kl, agree
 
 
 def main() -> None:
@@ -104,7 +84,7 @@ def main() -> None:
             with enable_seer_decoding(model, gates, token_budget=budget, backend="torch"):
                 for ids, reference in zip(heldout, dense, strict=True):
                     sparse = teacher_forced_logits(model, ids, ids.shape[0] // 2)
-                    rows.append((compare(reference, sparse), reference.shape[0]))
+                    rows.append((kl_and_agreement(reference, sparse), reference.shape[0]))
             kl = sum(k * n for (k, _), n in rows) / steps
             agree = sum(a * n for (_, a), n in rows) / steps
             print(f"| {budget} | {name} | {kl:.4f} | {agree:.3f} |")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rstar_pipelines.agent.eval_stages import GRPOEvaluation
 from rstar_pipelines.coder.generation_stages import (
     CandidateSolutions,
     ProblemSynthesis,
@@ -14,8 +15,12 @@ from rstar_pipelines.math.eval_stages import MCTSEvaluation
 from rstar_pipelines.math.search_stages import MCTSTrajectories, PreferencePairs, SFTDataset
 from rstar_pipelines.pipeline.stage import Stage
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
-from rstar_pipelines.training.agent_stages import GRPORoCCheckpoint
-from rstar_pipelines.training.gate_stages import AttnGateCheckpoint, GateDistillData
+from rstar_pipelines.training.agent_stages import GRPORoCCheckpoint, GRPORoCData
+from rstar_pipelines.training.gate_stages import (
+    AttnGateCheckpoint,
+    AttnGateEvaluation,
+    GateDistillData,
+)
 from rstar_pipelines.training.stages import PolicyCheckpoint, PPMCheckpoint
 
 STAGES: dict[str, type[Stage]] = {
@@ -33,11 +38,14 @@ STAGES: dict[str, type[Stage]] = {
         SFTDataset,
         PolicyCheckpoint,
         PPMCheckpoint,
+        GRPORoCData,
         GRPORoCCheckpoint,
         MCTSEvaluation,
+        GRPOEvaluation,
         DSEREvaluation,
         EvaluationComparison,
         GateDistillData,
         AttnGateCheckpoint,
+        AttnGateEvaluation,
     )
 }

@@ -55,6 +55,7 @@ def test_seeds_add_registers_the_partition_and_demo_materializes_the_graph(isola
     assert counts["oracle_labelled"] == 10  # every code seed is labelled by its oracle
     assert counts["solutions"] == counts["agreeing"]
     _check_rstar_math(isolated_dirs)
+    _check_heldout_split()
     _check_seer_attention(isolated_dirs)
     _check_evaluations()
     _check_grpo_roc()
@@ -96,6 +97,41 @@ def _check_rstar_math(data_dir: Path) -> None:
     assert query("select id from ppm_pairs order by id").column("id").to_pylist() == before
 
 
+TRAINING_TABLES = {
+    "sft_dataset": "problem_id",
+    "ppm_pairs": "problem_id",
+    "grpo_roc_data": "id",
+    "gate_distill_data": "problem_id",
+}
+
+
+def _check_heldout_split() -> None:
+    """No training table (nor the search that feeds them) holds a held-out problem or a problem
+    synthesized from a held-out seed, as the split itself says; every training table's blocking
+    check passed; every evaluation holds held-out problems only."""
+    from rstar_pipelines.definitions import load_spec
+
+    split = load_spec().by_key["sft_dataset"].params.heldout
+    seed_of = dict(query("select id, seed_id from synthesized_problems").to_pylist_pairs())
+    sides = {}
+    for table, column in {
+        **TRAINING_TABLES,
+        "mcts_nodes": "problem_id",
+        "mcts_eval": "problem_id",
+        "dser_eval": "problem_id",
+        "grpo_eval": "problem_id",
+    }.items():
+        ids = query(f"select distinct {column} p from {table} where {column} is not null")
+        sides[table] = {split.is_heldout(seed_of[i]) for i in ids.column("p").to_pylist()}
+    assert all(sides[t] == {False} for t in [*TRAINING_TABLES, "mcts_nodes"]), sides
+    assert all(sides[t] == {True} for t in ("mcts_eval", "dser_eval", "grpo_eval")), sides
+    with dg.DagsterInstance.get() as instance:
+        for table in TRAINING_TABLES:
+            key = dg.AssetCheckKey(dg.AssetKey(table), "no_heldout_problems")
+            record = instance.get_latest_asset_check_evaluation_record(key)
+            assert record is not None and record.event.asset_check_evaluation.passed, table
+
+
 def _check_seer_attention(data_dir: Path) -> None:
     """The demo's gates for the embedded model: trained (held-out recall rises), reloadable,
     and sparse decoding with a budget that covers the context generates what dense does."""
@@ -133,11 +169,36 @@ def _check_evaluations() -> None:
         assert row["observed_accuracy"] == sum(
             s["correct"] for s in row["states"] if s["iteration"] >= 1
         ) / (2 * 2)
-    methods = query("select * from eval_comparison order by method").to_pylist()
-    assert [m["method"] for m in methods] == ["dser", "greedy", "majority_of_4", "mcts_best_q"]
-    assert all(m["problems"] >= 1 and m["tokens_per_problem"] > 0 for m in methods)
-    by_method = {m["method"]: m for m in methods}
-    assert by_method["dser"]["tokens_per_problem"] > by_method["greedy"]["tokens_per_problem"]
+    # Every trained checkpoint, each way it is evaluated, on the same held-out problems.
+    rows = query("select * from eval_comparison").to_pylist()
+    methods = {(r["checkpoint"], r["method"]): r for r in rows}
+    assert set(methods) == {
+        ("policy", "greedy"),
+        ("policy", "majority_of_4"),
+        ("policy", "dser"),
+        ("policy+ppm", "mcts_best_q"),
+        ("policy+ppm", "mcts_majority"),
+        ("grpo_roc", "greedy"),
+        ("grpo_roc", "tool"),
+        ("attn_gates", "dense"),
+        ("attn_gates", "budget_32"),
+        ("attn_gates", "budget_64"),
+    }
+    assert len({r["problems"] for r in rows}) == 1 and rows[0]["problems"] >= 1
+    assert all(r["tokens_per_problem"] > 0 for r in rows)
+    dser, greedy = methods["policy", "dser"], methods["policy", "greedy"]
+    assert dser["tokens_per_problem"] > greedy["tokens_per_problem"]
+    assert (
+        query("select count(*) n from mcts_eval where answers_valued_by_ppm > 0")
+        .column("n")[0]
+        .as_py()
+        >= 1
+    )  # the PPM valued the search's answers
+    gates = {r["setting"]: r for r in query("select * from attn_gate_eval").to_pylist()}
+    assert set(gates) == {"dense", "budget 32", "budget 64"}
+    assert gates["dense"]["kl"] is None and gates["budget 32"]["kl"] is not None
+    steps = {r["decode_steps"] for r in gates.values()}
+    assert len(steps) == 1 and steps.pop() > 64  # the budgets are smaller than the texts
 
 
 def _check_grpo_roc() -> None:

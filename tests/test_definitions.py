@@ -64,5 +64,6 @@ def test_sensors_and_schedule_are_declared_running():
         "seed_catalog",
         "ppm_pairs",
         "sft_dataset",
+        "grpo_roc_data",
         "gate_distill_data",
     }

@@ -157,7 +157,7 @@ class TestInputGeneration(Stage):
         def key(item: tuple[dict, str]) -> str:
             problem, text = item
             examples = [e["stdin"] for e in problem["examples"]]
-            return fingerprint("inputs", text, examples, p.target, p.timeout_s, p.memory_mb)
+            return fingerprint(text, examples, p.target, p.timeout_s, p.memory_mb)
 
         def compute(batch: list[tuple[dict, str]]) -> list[dict]:
             results = []

@@ -103,7 +103,10 @@ class MutualVerification(Stage):
                 "verification_rate": sum(verified.values()) / len(rows) if rows else 0.0,
                 "unverified_reasons": dict(reasons),
                 "agreement_distribution": histogram(
-                    [r["agreement"] for r in rows], "candidate agreement", "share agreeing"
+                    [r["agreement"] for r in rows],
+                    "candidate agreement",
+                    "share agreeing",
+                    "problems",
                 ),
             },
             checks=[
@@ -131,7 +134,7 @@ class MutualVerification(Stage):
         ]
 
         def key(task: VerificationTask) -> str:
-            return fingerprint("verify", asdict(task), p.threshold, p.timeout_s, p.memory_mb)
+            return fingerprint(asdict(task), p.threshold, p.timeout_s, p.memory_mb)
 
         def compute(batch: list[VerificationTask]) -> list[dict]:
             results = mutual_verify_many(

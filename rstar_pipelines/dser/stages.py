@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 import pyarrow as pa
 from pydantic import Field
@@ -25,12 +24,7 @@ from rstar_pipelines.dser.markov import (
     observed_accuracy,
     transition_counts,
 )
-from rstar_pipelines.math.search_stages import (
-    SearchModels,
-    checkpoint_path,
-    is_heldout,
-    verified_math_problems,
-)
+from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import line_plot, markdown_table
 from rstar_pipelines.pipeline.stage import (
@@ -39,52 +33,28 @@ from rstar_pipelines.pipeline.stage import (
     StageInputError,
     StageParams,
     StageResult,
-    rows_of,
+)
+from rstar_pipelines.problems import (
+    HeldoutSplit,
+    VerifiedProblem,
+    first_of_each_domain,
+    on_side,
+    verified_problems,
 )
 from rstar_pipelines.storage import schemas
 
 
-@dataclass(frozen=True)
-class HeldoutProblem:
-    batch: str
-    problem: DSERProblem
-
-
-def verified_code_problems(inputs: dict[str, pa.Table]) -> list[HeldoutProblem]:
-    """Code problems with verified test inputs and labels, with their text."""
-    text = {r["id"]: r["problem"] for r in rows_of(inputs["synthesized_problems"])}
-    return [
-        HeldoutProblem(
-            r["batch"],
-            DSERProblem(
-                r["problem_id"],
-                "code",
-                text[r["problem_id"]],
-                inputs=tuple(r["inputs"]),
-                labels=tuple(r["labels"]),
-            ),
-        )
-        for r in rows_of(inputs["verified_outputs"], "code")
-        if r["verified"]
-        and r["inputs"]
-        and len(r["labels"] or []) == len(r["inputs"])
-        and r["problem_id"] in text
-    ]
+def dser_problem(problem: VerifiedProblem) -> DSERProblem:
+    return DSERProblem(
+        problem.id, problem.domain, problem.question, problem.answer, problem.inputs, problem.labels
+    )
 
 
 def heldout_problems(
-    inputs: dict[str, pa.Table], fraction: float, max_problems: int | None
-) -> list[HeldoutProblem]:
-    """The verified problems of the held-out split (mcts_eval's), at most `max_problems`
-    of each domain."""
-    math = [
-        HeldoutProblem(q["batch"], DSERProblem(q["id"], "math", q["question"], q["answer"]))
-        for q in verified_math_problems(inputs)
-    ]
-    chosen = []
-    for found in (math, verified_code_problems(inputs)):
-        chosen += [h for h in found if is_heldout(h.problem.id, fraction)][:max_problems]
-    return chosen
+    inputs: dict[str, pa.Table], split: HeldoutSplit, max_problems: int | None
+) -> list[VerifiedProblem]:
+    """The verified problems of the held-out split, at most `max_problems` of each domain."""
+    return first_of_each_domain(on_side(verified_problems(inputs), split, True), max_problems)
 
 
 def dser_prompts(stage: Stage) -> DSERPrompts:
@@ -96,9 +66,7 @@ def dser_prompts(stage: Stage) -> DSERPrompts:
 class DSEREvalParams(StageParams):
     round: int = Field(1, ge=1)
     dser: DSERConfig = DSERConfig()
-    heldout_fraction: float = Field(
-        0.2, ge=0, lt=1, description="problems kept for evaluation (the split mcts_eval uses)"
-    )
+    heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
     max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
     chunk: int = Field(8, ge=1, description="problems evolved together (and per cache commit)")
     timeout_s: float = Field(5.0, gt=0, description="per program run, grading code states")
@@ -118,20 +86,18 @@ class DSEREvaluation(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = heldout_problems(inputs, p.heldout_fraction, p.max_problems)
+        problems = heldout_problems(inputs, p.heldout, p.max_problems)
         if not problems:
             raise StageInputError(
-                f"dser_eval: no verified problem falls in the held-out split "
-                f"(heldout_fraction={p.heldout_fraction}) of verified_outputs: verify more "
-                f"problems or raise heldout_fraction"
+                f"dser_eval: no verified problem of verified_outputs falls in the held-out split "
+                f"(heldout.fraction={p.heldout.fraction}, salt {p.heldout.salt!r}): verify more "
+                f"problems or raise heldout.fraction in pipeline.yaml"
             )
-        models = SearchModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
+        models = CheckpointModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
         prompts = dser_prompts(self)
 
-        def key(item: HeldoutProblem) -> str:
-            q = item.problem
+        def key(q: VerifiedProblem) -> str:
             return fingerprint(
-                "dser",
                 models.policy_name,
                 p.dser.model_dump(mode="json"),
                 p.timeout_s,
@@ -140,12 +106,12 @@ class DSEREvaluation(Stage):
                 [q.domain, q.question, q.answer, q.inputs, q.labels],
             )
 
-        def compute(chunk: list[HeldoutProblem]) -> list[dict]:
+        def compute(chunk: list[VerifiedProblem]) -> list[dict]:
             llm = models.policy()
-            code = any(h.problem.domain == "code" for h in chunk)
+            code = any(q.domain == "code" for q in chunk)
             judge = Judge(ctx.resource("sandbox").get() if code else None, p.timeout_s, p.memory_mb)
             start = time.perf_counter()  # after loading the model: the evolution's own time
-            runs = run_dser(llm, [h.problem for h in chunk], p.dser, prompts, judge)
+            runs = run_dser(llm, [dser_problem(q) for q in chunk], p.dser, prompts, judge)
             seconds = (time.perf_counter() - start) / len(chunk)
             ctx.log.info(f"evolved {len(chunk)} problems in {seconds * len(chunk):.1f}s")
             return [{**_outcome(run, p.dser.vote_last), "seconds": seconds} for run in runs]
@@ -153,15 +119,16 @@ class DSEREvaluation(Stage):
         stored = ctx.cache.map(problems, key, compute, p.chunk)
         rows = [
             {
-                "problem_id": h.problem.id,
-                "batch": h.batch,
+                "problem_id": q.id,
+                "seed_id": q.seed_id,
+                "batch": q.batch,
                 "round": p.round,
-                "domain": h.problem.domain,
-                "gold_answer": h.problem.answer,
+                "domain": q.domain,
+                "gold_answer": q.answer,
                 **outcome,
                 "policy": models.policy_name,
             }
-            for h, outcome in zip(problems, stored, strict=True)
+            for q, outcome in zip(problems, stored, strict=True)
         ]
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),

@@ -1,4 +1,7 @@
-"""mcts_eval: PPM-guided search against greedy decoding, on held-out problems."""
+"""mcts_eval: greedy decoding and the PPM-guided search in evaluation mode, on the held-out
+problems. Neither search is given a gold answer: the answer steps of the guided search are
+valued by the PPM (the reference's evaluation mode), and the gold answer scores each method's
+final pick afterwards."""
 
 from __future__ import annotations
 
@@ -8,18 +11,27 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.math.answers import equivalent
-from rstar_pipelines.math.evaluation import best_q_answer, greedy_config, top_answers_vote
+from rstar_pipelines.math.evaluation import (
+    all_answers_vote,
+    best_q_answer,
+    greedy_config,
+    top_answers_vote,
+)
 from rstar_pipelines.math.search_stages import (
-    SearchModels,
     SearchStage,
     SearchStageParams,
-    checkpoint_path,
     search_problems,
     search_trees,
 )
+from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.plots import markdown_table
-from rstar_pipelines.pipeline.stage import StageContext, StageResult
+from rstar_pipelines.pipeline.stage import StageContext, StageInputError, StageResult
 from rstar_pipelines.storage import schemas
+
+NO_PPM = (
+    "no PPM: in evaluation mode only a PPM values the answers a search finds (the gold answer "
+    "is never read), so there is no best-Q answer; the vote is over every answer the search found"
+)
 
 
 class EvalParams(SearchStageParams):
@@ -27,89 +39,107 @@ class EvalParams(SearchStageParams):
     top_answers: int = Field(4, ge=1, description="highest-Q answers the vote is over")
 
 
-def _correct(answer: str | None, gold: str) -> bool:
+def _correct(answer: str | None, gold: str) -> bool | None:
+    """Scored after the search; None where the method gave no pick (best-Q without a PPM)."""
     return answer is not None and equivalent(answer, gold)
 
 
-def _mean(rows: list[dict], column: str) -> float:
-    return sum(r[column] for r in rows) / len(rows) if rows else 0.0
+def _mean(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 class MCTSEvaluation(SearchStage):
-    """On the held-out split of verified math problems, this round's policy three ways:
-    greedy decoding, PPM-guided search answered by the best-Q leaf, and a majority vote
-    over the search's top answers."""
+    """On the held-out split of verified math problems, this round's policy: greedy decoding,
+    and the PPM-guided search answered by its best-Q leaf and by a majority vote over its top
+    answers. The search never sees the gold answer; without a PPM it reports the vote over all
+    its answers and says why best-Q is absent."""
 
     Params = EvalParams
     schema = schemas.MCTS_EVAL
+    version = "2"  # evaluation mode: no gold answer in the search
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
         problems = search_problems(inputs, p, heldout=True)
-        guided = SearchModels(
-            self,
-            ctx,
-            checkpoint_path(inputs, "policy_checkpoint"),
-            checkpoint_path(inputs, "ppm_checkpoint"),
-        )
-        plain = SearchModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
-        greedy, greedy_seconds, _ = search_trees(
-            self, ctx, problems, plain, greedy_config(p.search)
-        )
-        searched, search_seconds, stats = search_trees(self, ctx, problems, guided, p.search)
+        if not problems:
+            raise StageInputError(
+                f"mcts_eval: no verified math problem of verified_outputs falls in the held-out "
+                f"split (heldout.fraction={p.heldout.fraction}, salt {p.heldout.salt!r}): "
+                f"verify more problems or raise heldout.fraction in pipeline.yaml"
+            )
+        policy = checkpoint_path(inputs, "policy_checkpoint")
+        guided = CheckpointModels(self, ctx, policy, checkpoint_path(inputs, "ppm_checkpoint"))
+        plain = CheckpointModels(self, ctx, policy, None)
+        with_ppm = guided.ppm_path is not None
+        greedy = search_trees(self, ctx, problems, plain, greedy_config(p.search), gold=False)
+        searched = search_trees(self, ctx, problems, guided, p.search, gold=False)
         rows = []
-        for problem, g, s, g_s, s_s in zip(
-            problems, greedy, searched, greedy_seconds, search_seconds, strict=True
-        ):
+        for i, problem in enumerate(problems):
+            g, s = greedy.trees[i], searched.trees[i]
             answers = {
-                "greedy": best_q_answer(g),
-                "best_q": best_q_answer(s),
-                "majority": top_answers_vote(s, p.top_answers),
+                "greedy": best_q_answer(g),  # its only answer: one sample, one path
+                "best_q": best_q_answer(s) if with_ppm else None,
+                "majority": top_answers_vote(s, p.top_answers) if with_ppm else all_answers_vote(s),
             }
+            found = [n.final_answer for n in s.answers() if n.final_answer]
             rows.append(
                 {
-                    "problem_id": problem["id"],
-                    "batch": problem["batch"],
+                    "problem_id": problem.id,
+                    "seed_id": problem.seed_id,
+                    "batch": problem.batch,
                     "round": p.round,
-                    "gold_answer": problem["answer"],
+                    "gold_answer": problem.answer,
                     **{f"{k}_answer": v for k, v in answers.items()},
-                    **{f"{k}_correct": _correct(v, problem["answer"]) for k, v in answers.items()},
+                    "greedy_correct": _correct(answers["greedy"], problem.answer),
+                    "best_q_correct": (
+                        _correct(answers["best_q"], problem.answer) if with_ppm else None
+                    ),
+                    "majority_correct": _correct(answers["majority"], problem.answer),
+                    "search_any_correct": any(equivalent(a, problem.answer) for a in found),
+                    "search_answers": len(found),
+                    "answers_valued_by_ppm": sum(1 for n in s.answers() if n.value is not None),
                     "search_nodes": s.nodes.num_rows,
                     "greedy_tokens": g.completion_tokens,
                     "search_tokens": s.completion_tokens,
-                    "greedy_seconds": g_s,
-                    "search_seconds": s_s,
+                    "greedy_seconds": greedy.seconds[i],
+                    "search_seconds": searched.seconds[i],
                     "policy": guided.policy_name,
+                    "ppm": guided.ppm_path,
                 }
             )
-        n = len(rows)
         accuracy = {
-            k: (sum(r[f"{k}_correct"] for r in rows) / n if n else 0.0)
-            for k in ("greedy", "best_q", "majority")
+            k: _mean([r[f"{k}_correct"] for r in rows])
+            for k in ("greedy", "best_q", "majority", "search_any")
         }
-        # The vote over the top answers reads the same search: it costs what the search did.
         cost = {
-            k: [_mean(rows, f"{k}_{figure}") for figure in ("tokens", "seconds")]
+            k: [_mean([r[f"{k}_{figure}"] for r in rows]) for figure in ("tokens", "seconds")]
             for k in ("greedy", "search")
         }
+        vote = f"majority of top {p.top_answers}" if with_ppm else "majority of all answers"
+        methods = [("greedy decoding", "greedy", cost["greedy"])]
+        if with_ppm:
+            methods.append(("PPM-guided search, best Q", "best_q", cost["search"]))
+        methods += [
+            (f"search, {vote}", "majority", cost["search"]),
+            ("search, any answer correct (oracle)", "search_any", cost["search"]),
+        ]
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={
-                "problems": n,
+                "problems": len(rows),
                 "policy": guided.policy_name,
-                "ppm": guided.ppm_path or "none",
-                **{f"accuracy_{k}": v for k, v in accuracy.items()},
+                "ppm": guided.ppm_path or NO_PPM,
+                "gold_answer_in_search": False,
+                "answers_valued_by_ppm": sum(r["answers_valued_by_ppm"] for r in rows),
+                **{f"accuracy_{k}": v for k, v in accuracy.items() if v is not None},
                 "comparison": markdown_table(
                     ["method", "accuracy", "problems", "tokens/problem", "seconds/problem"],
                     [
-                        [name, f"{accuracy[k]:.3f}", n, f"{tokens:.0f}", f"{seconds:.2f}"]
-                        for name, k, (tokens, seconds) in (
-                            ("greedy decoding", "greedy", cost["greedy"]),
-                            ("PPM-guided search, best Q", "best_q", cost["search"]),
-                            (f"majority of top {p.top_answers}", "majority", cost["search"]),
-                        )
+                        [name, f"{accuracy[k]:.3f}", len(rows), f"{tok:.0f}", f"{sec:.2f}"]
+                        for name, k, (tok, sec) in methods
                     ],
                 ),
-                **{f"search_{k}": v for k, v in stats.items()},
+                **{f"search_{k}": v for k, v in searched.stats.items()},
             },
         )

@@ -1,4 +1,4 @@
-"""Choosing a searched tree's final answer (spec §1.11) and the greedy baseline."""
+"""Choosing a searched tree's final answer (docs/rstar-math.md) and the greedy baseline."""
 
 from __future__ import annotations
 
@@ -25,10 +25,18 @@ def top_answers_vote(tree: Tree, top: int = 4) -> str | None:
     return majority_answer(ranked_answers(tree)[:top], threshold=0.0).answer
 
 
+def all_answers_vote(tree: Tree) -> str | None:
+    """Majority vote, by answer equivalence, over every answer the tree found (what is left to
+    vote on when nothing values the answers: an evaluation search without a PPM)."""
+    answers = [n.final_answer for n in tree.answers() if n.final_answer]
+    return majority_answer(answers, threshold=0.0).answer
+
+
 def greedy_config(search: MCTSConfig) -> MCTSConfig:
-    """Greedy decoding as the reference evaluates it, on the search engine: one
-    sample at temperature 0, the whole program in one step (it stops only at the end
-    of the code and of the answer), its output, then the answer."""
+    """Greedy decoding as the reference evaluates it (its sft_eval_greedy config), on the
+    search engine: one sample at temperature 0, the whole program in one step (it stops only
+    at the end of the code and of the answer), its output, then the answer; three code
+    errors allowed."""
     return search.model_copy(
         update={
             "rollouts": 1,
@@ -37,5 +45,6 @@ def greedy_config(search: MCTSConfig) -> MCTSConfig:
             "stop": (CODE_END, ANSWER_END),
             "max_depth": 2,
             "max_tokens": search.max_tokens * 4,
+            "errors_threshold": 3,
         }
     )

@@ -1,11 +1,14 @@
-"""Monte-Carlo tree search over code-augmented chain-of-thought (rStar-Math, spec §1).
+"""Monte-Carlo tree search over code-augmented chain-of-thought (rStar-Math,
+docs/rstar-math.md), with the reference's rules by default.
 
-A rollout starts at the root and walks down the best children by UCT; at a node not
-yet expanded it samples `width` next steps from the policy, runs their code, scores the
-new nodes with the PPM (when there is one), and walks on into the best new child. It
-ends when every child of the node it reached is terminal (that node becomes terminal).
-There is no random simulation phase. Answer terminals back ±1 up to the root; failure
-terminals take -1 on themselves only.
+A rollout starts at the root and walks down the best children by UCT, one level a step, at
+most `max_depth` steps; at a node not yet expanded it samples `width` next steps from the
+policy, runs their code, scores the new nodes with the PPM (when there is one), and walks on
+into the best new child. It ends when every child of the node it reached is terminal (that
+node becomes terminal) or its steps are spent. There is no random simulation phase. Answer
+terminals back ±1 up to the root; failure terminals take -1 on themselves only. A problem
+without an answer is searched in evaluation mode: the PPM's value of an answer step is backed
+up instead, and the gold answer is never read.
 
 Many trees are searched at once. Each tree is a generator that yields what it waits
 for (completions, program runs, PPM scores); the scheduler sends every pending request
@@ -31,11 +34,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rstar_pipelines.llm.types import LLM, Completion, Prompt, SamplingParams
 from rstar_pipelines.math.answers import equivalent
+from rstar_pipelines.math.interpreter import interpreter_program, reference_program
 from rstar_pipelines.math.steps import (
     ANSWER_END,
     BOOTSTRAP_STOPS,
     CODE_END,
     NO_VALID_CHILD,
+    OUTPUT_END,
+    OUTPUT_START,
     TOO_MANY_CODE_ERRORS,
     TOO_MANY_STEPS,
     ParsedStep,
@@ -46,11 +52,12 @@ from rstar_pipelines.math.steps import (
     program_of,
     with_output,
 )
-from rstar_pipelines.math.tree import NODE, Node, descend
+from rstar_pipelines.math.tree import Node, step_down
+from rstar_pipelines.storage.schemas import NODE
 
 
 class MCTSConfig(BaseModel):
-    """Search knobs; defaults are the paper's bootstrap round (spec §1.6, §4)."""
+    """Search knobs; defaults are the paper's bootstrap round (docs/rstar-math.md)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -78,6 +85,44 @@ class MCTSConfig(BaseModel):
     lockstep: bool = Field(
         False, description="one batch per phase for all trees, as the reference schedules"
     )
+    # Where the reference's released code and ours could differ; each default is the
+    # reference's rule (docs/rstar-math.md, "Reference rules and their options").
+    timed_out_steps: Literal["rerun", "skip"] = Field(
+        "rerun",
+        description="rerun: later steps' programs re-run a step that timed out (the reference, "
+        "whose check for it never fires); skip: leave it out of them",
+    )
+    empty_box: Literal["step", "wrong_answer"] = Field(
+        "step",
+        description="a step whose \\boxed{} gives no answer: an ordinary step without code "
+        "(the reference), or a wrong answer",
+    )
+    answers: Literal["reference", "last_box"] = Field(
+        "reference",
+        description="how an answer step's answer is read: the reference's rule (the text "
+        "before the first '.\\n', its last \\boxed{ even unclosed); last_box: the last "
+        "closed box, as math-verify reads it",
+    )
+    blank_samples: Literal["keep", "drop"] = Field(
+        "keep",
+        description="a blank sample: kept as an empty code step (the reference), or dropped",
+    )
+    execution: Literal["interpreter", "script"] = Field(
+        "interpreter",
+        description="interpreter: a step's program and observation as the reference's Python "
+        "tool makes them (tag lines dropped, each printing segment's output labelled); script: "
+        "the tags cut out in place, run as a script, its stdout (or last error line) shown",
+    )
+    error_output: Literal["reference", "once"] = Field(
+        "reference",
+        description="the text of a code-error terminal that closed its block: its output "
+        "wrapped in <output> twice (the reference's slip), or once",
+    )
+    dedupe: Literal["text", "text_and_stop"] = Field(
+        "text",
+        description="duplicate samples: the same text (the reference; the first one's stop "
+        "string stays), or the same text and stop string",
+    )
 
     def sampling(self, call: int) -> SamplingParams:
         seed = None if self.seed is None else self.seed + call
@@ -93,9 +138,13 @@ class MCTSConfig(BaseModel):
 
 @dataclass(frozen=True)
 class Problem:
+    """A problem to search. Without an answer the search is in evaluation mode: it never
+    knows the gold answer, and the PPM's value of an answer step is backed up as its reward
+    (the reference's evaluation mode); without a PPM too, answers get no value."""
+
     id: str
     question: str
-    answer: str
+    answer: str | None = None
 
 
 class ValueModel(Protocol):
@@ -213,81 +262,122 @@ MIN_GATHER_S = 0.05
 
 
 class TreeSearch:
-    """The rules of one tree (spec §1.7-1.9), written as a generator of requests."""
+    """The rules of one tree (docs/rstar-math.md), written as a generator of requests."""
 
     def __init__(self, tree: Tree, config: MCTSConfig, prompt: StepPrompt, with_ppm: bool):
         self.tree = tree
         self.config = config
         self.prompt = prompt
         self.with_ppm = with_ppm
+        self.evaluating = tree.problem.answer is None
 
     def run(self) -> _Search:
+        """`rollouts` rollouts, each of at most `max_depth` steps (the reference's budget): a
+        step expands the node reached, if it has no children yet, and moves on to its best
+        child; the first move, from the root, is free."""
         c, root = self.config.c, self.tree.root
         for _ in range(self.config.rollouts):
             if root.terminal:
                 return  # every branch is closed
             path = []
-            node = descend(root, c)
+            node = step_down(root, c)
             for _ in range(self.config.max_depth):
                 if node is None:
                     break
-                path.append(node.node_id)
-                yield from self.expand(node)
-                node = descend(node, c)
+                if not node.children:
+                    path.append(node.node_id)
+                    yield from self.expand(node)
+                node = step_down(node, c)
             self.tree.rollout_paths.append(path)
 
     def expand(self, node: Node) -> _Search:
+        config = self.config
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
         completions: list[Completion] = yield _Generate(prompt)
-        kept = _distinct(completions)
-        steps = [parse_step(c.text, c.stop_string) for c, _ in kept]
-        code = [s for s in steps if not s.is_answer]
-        runs = (
-            (yield _Execute([program_of([*_open_block(node), s.text]) for s in code]))
-            if code
-            else []
-        )
+        kept = _distinct(completions, config.dedupe, config.blank_samples)
+        steps = [
+            parse_step(c.text, c.stop_string, config.empty_box, config.answers) for c, _ in kept
+        ]
+        code = [s for s in steps if s.kind == "code"]
+        history = _open_block(node, config.timed_out_steps)
+        runs = (yield _Execute([self._program([*history, s.text]) for s in code])) if code else []
         outcomes = iter(runs)
         for step, (_, tokens) in zip(steps, kept, strict=True):
             child = Node(f"{node.node_id}.{len(node.children) + 1}", node, node.depth + 1)
             child.action = step.text
             child.completion_tokens = tokens
             node.children.append(child)
-            if step.is_answer:
+            if step.kind == "answer":
                 self._answer(child, step.text, step.final_answer)
-            else:
+            elif step.kind == "code":
                 self._code(child, step, next(outcomes))
+            else:
+                child.text, child.kind = step.text, "text"
+                self._depth_limit(child)
         if not steps:
             failed = Node(f"{node.node_id}.1", node, node.depth + 1)
             failed.completion_tokens = sum(c.completion_tokens for c in completions)
             self._fail(failed, NO_VALID_CHILD)
-        fresh = [ch for ch in node.children if not ch.terminal]
-        if self.with_ppm and fresh:
+        # The PPM values every new node still open, and in evaluation mode every new answer too.
+        scored = [
+            ch
+            for ch in node.children
+            if not ch.terminal or (self.evaluating and ch.is_answer and ch.visits == 0)
+        ]
+        if self.with_ppm and scored:
             question = self.tree.problem.question
-            values = yield _Score([self.prompt.build(question, ch.steps()) for ch in fresh])
-            for child, value in zip(fresh, values, strict=True):
-                child.update(value)  # on the new node only: its initial Q
+            values = yield _Score([self.prompt.build(question, ch.steps()) for ch in scored])
+            for child, value in zip(scored, values, strict=True):
+                if child.is_answer:
+                    child.backup(value)  # the PPM's value as the answer's reward, to the root
+                else:
+                    child.update(value)  # on the new node only: its initial Q
 
     def _answer(self, child: Node, text: str, final_answer: str | None) -> None:
         child.text, child.kind, child.terminal = text, "answer", True
         child.final_answer = final_answer
+        if self.evaluating:
+            return  # valued by the PPM, if there is one; scored against the gold answer later
         child.correct = final_answer is not None and equivalent(
             final_answer, self.tree.problem.answer
         )
         child.backup(1.0 if child.correct else -1.0)
 
+    def _program(self, actions: list[str]) -> str:
+        if self.config.execution == "interpreter":
+            return interpreter_program(reference_program(actions), self.config.exec_timeout_s)
+        return program_of(actions)
+
+    def _observe(self, run: Any) -> str:
+        """The interpreter program prints its observation (and exits 1 if the step raised);
+        a script's is made of its output here. A run the sandbox stopped (a time, memory or
+        output limit) is shown as that error either way."""
+        if self.config.execution == "interpreter" and (
+            run.status == "ok" or (run.status == "runtime_error" and run.exit_code == 1)
+        ):
+            return run.stdout
+        return observation_of(run.status, run.stdout, run.stderr)
+
     def _code(self, child: Node, step: ParsedStep, run: Any) -> None:
         child.kind = "code"
-        child.observation = observation_of(run.status, run.stdout, run.stderr)
+        child.observation = self._observe(run)
         if is_error(child.observation, run.status, self.config.error_rule):
             child.consecutive_errors = child.parent.consecutive_errors + 1
         if child.consecutive_errors >= self.config.errors_threshold:
             closed = step.text if step.closes_code else step.text + CODE_END
-            child.text = with_output(closed, child.observation)
+            shown = child.observation
+            if step.closes_code and self.config.error_output == "reference":
+                shown = f"{OUTPUT_START}{shown}{OUTPUT_END}"
+            child.text = with_output(closed, shown)
             self._fail(child, TOO_MANY_CODE_ERRORS, attach=False)
             return
         child.text = with_output(step.text, child.observation) if step.closes_code else step.text
-        if child.depth >= self.config.max_depth:
+        self._depth_limit(child)
+
+    def _depth_limit(self, child: Node) -> None:
+        """A step still open below max_depth ends the branch (the reference's rule: the deepest
+        open step is at max_depth, and an answer may follow it)."""
+        if child.depth > self.config.max_depth:
             self._fail(child, TOO_MANY_STEPS, attach=False)
 
     @staticmethod
@@ -303,19 +393,23 @@ class TreeSearch:
         child.update(-1.0)  # on itself only: a failure says nothing about its ancestors
 
 
-def _distinct(completions: Sequence[Completion]) -> list[tuple[Completion, int]]:
-    """The reference's post-filter: exact duplicates go, and if any sample finished
-    its answer, only the first such sample stays (an answer expansion has one child).
-    Each kept sample comes with the tokens it stands for, so that none go uncounted: its
-    own, its duplicates', and those of every other dropped sample (blank, or beside an
-    answer) on the first kept one."""
+def _distinct(
+    completions: Sequence[Completion], dedupe: str = "text", blank_samples: str = "keep"
+) -> list[tuple[Completion, int]]:
+    """The reference's post-filter: duplicates go (by text, or with `dedupe="text_and_stop"`
+    by text and stop string), and if any sample finished its answer, only the first such
+    sample stays (an answer expansion has one child). With `blank_samples="drop"`, samples
+    that are only whitespace go too. Each kept sample comes with the tokens it stands for,
+    so that none go uncounted: its own, its duplicates', and those of every other dropped
+    sample (blank, or beside an answer) on the first kept one."""
     first_of: dict[str, int] = {}
     kept: list[Completion] = []
     tokens: list[int] = []
     dropped = 0
     for c in completions:
-        text = c.text + (c.stop_string or "")
-        if not text.strip():
+        full = c.text + (c.stop_string or "")
+        text = full if dedupe == "text_and_stop" else c.text
+        if blank_samples == "drop" and not full.strip():
             dropped += c.completion_tokens
         elif text in first_of:
             tokens[first_of[text]] += c.completion_tokens
@@ -331,15 +425,19 @@ def _distinct(completions: Sequence[Completion]) -> list[tuple[Completion, int]]
     return list(zip(kept, tokens, strict=True))
 
 
-def _open_block(node: Node) -> list[str]:
-    """The actions of the code block still open at `node`: the ancestors after the
-    last one that closed a block, oldest first."""
+def _open_block(node: Node, timed_out_steps: str = "rerun") -> list[str]:
+    """The actions of the code block still open at `node`: its code steps (and theirs up the
+    tree) after the last step whose text closed a block (it shows an output or ends the code),
+    oldest first. Steps without code (the root, text steps) add nothing. With
+    `timed_out_steps="skip"`, a step that timed out is left out."""
     actions: list[str] = []
-    for ancestor in reversed(node.path()[1:]):
-        if ancestor.is_answer or CODE_END in ancestor.action:
+    for ancestor in reversed(node.path()):
+        if OUTPUT_END in ancestor.text or CODE_END in ancestor.text:
             break
-        if ancestor.observation and ancestor.observation.startswith("TimeoutError"):
-            continue  # the reference leaves out a step that timed out
+        if ancestor.kind != "code":
+            continue
+        if timed_out_steps == "skip" and (ancestor.observation or "").startswith("TimeoutError"):
+            continue
         actions.append(ancestor.action)
     return actions[::-1]
 
@@ -374,8 +472,13 @@ class MCTSSearch:
         pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
         in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
         open_trees = len(trees)
+        # The interpreter program stops itself at exec_timeout_s (with the reference's
+        # TimeoutError); the sandbox's limit behind it is a second longer.
+        grace = 1.0 if self.config.execution == "interpreter" else 0.0
         job = lambda code: Job(  # noqa: E731
-            code, timeout_s=self.config.exec_timeout_s, memory_mb=self.config.exec_memory_mb
+            code,
+            timeout_s=self.config.exec_timeout_s + grace,
+            memory_mb=self.config.exec_memory_mb,
         )
         lanes = {
             _Generate: self._generate,

@@ -117,9 +117,10 @@ def _continuation(node: Node, labels: dict[Node, int], pick) -> list[Node]:
 
 
 def preference_pairs(
-    tree: Tree, min_margin: float = 0.5, min_edit_distance: int = 20
+    tree: Tree, min_margin: float = 0.5, min_edit_distance: int = 20, final_pairs: bool = True
 ) -> list[Pair]:
-    """Step pairs by the reference's rule (spec §2.2) and final-step pairs.
+    """Step pairs by the reference's rule (docs/rstar-math.md) and, with `final_pairs`, pairs of
+    whole trajectories (the paper's; the released code makes step pairs only).
 
     At each node, breadth first: chosen = the top-2 children by Q with a correct answer
     below, rejected = the bottom-2 with a wrong answer below; when one side has a single
@@ -162,7 +163,8 @@ def preference_pairs(
                         )
                     )
         queue.extend(c for c in children if labels.correct[c] and labels.wrong[c])
-    pairs.extend(_final_pairs(tree, question))
+    if final_pairs:
+        pairs.extend(_final_pairs(tree, question))
     return [p for p in pairs if p.margin >= min_margin and p.edit_distance >= min_edit_distance]
 
 

@@ -3,9 +3,9 @@ tree), ppm_pairs and sft_dataset."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from statistics import fmean
 from typing import ClassVar, Literal
 
@@ -15,48 +15,33 @@ from pydantic import Field
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, Tree
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import assistant_text
-from rstar_pipelines.math.tree import NODE, tree_from_rows
+from rstar_pipelines.math.tree import tree_from_rows
+from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import histogram
 from rstar_pipelines.pipeline.stage import (
     Stage,
     StageContext,
-    StageInputError,
     StageParams,
     StageResult,
     rows_of,
 )
+from rstar_pipelines.problems import (
+    NO_HELDOUT_CHECK,
+    HeldoutSplit,
+    VerifiedProblem,
+    no_heldout_check,
+    on_side,
+    seeds_of,
+    verified_problems,
+)
 from rstar_pipelines.storage import schemas
 
 
-def is_heldout(problem_id: str, fraction: float) -> bool:
-    """A fixed split by problem id: the held-out problems are kept for evaluation."""
-    digest = hashlib.sha256(problem_id.encode("utf-8")).hexdigest()
-    return int(digest[:8], 16) / 16**8 < fraction
-
-
-def verified_math_problems(inputs: dict[str, pa.Table]) -> list[dict]:
-    """Math problems with a verified final answer, with their text."""
-    text = {r["id"]: r["problem"] for r in rows_of(inputs["synthesized_problems"])}
-    return [
-        {
-            "id": r["problem_id"],
-            "batch": r["batch"],
-            "question": text[r["problem_id"]],
-            "answer": r["answer"],
-        }
-        for r in rows_of(inputs["verified_outputs"], "math")
-        if r["verified"] and r["answer"] and r["problem_id"] in text
-    ]
-
-
-def search_problems(inputs: dict[str, pa.Table], params, heldout: bool) -> list[dict]:
+def search_problems(inputs: dict[str, pa.Table], params, heldout: bool) -> list[VerifiedProblem]:
     """The verified math problems on one side of the held-out split, at most max_problems."""
-    return [
-        q
-        for q in verified_math_problems(inputs)
-        if is_heldout(q["id"], params.heldout_fraction) == heldout
-    ][: params.max_problems]
+    found = on_side(verified_problems(inputs, "math"), params.heldout, heldout)
+    return found[: params.max_problems]
 
 
 class SearchStageParams(StageParams):
@@ -68,42 +53,9 @@ class SearchStageParams(StageParams):
         "format a trained policy learned (rounds >= 2)",
     )
     search: MCTSConfig = MCTSConfig()
-    heldout_fraction: float = Field(0.2, ge=0, lt=1, description="problems kept for evaluation")
+    heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
     max_problems: int | None = Field(None, ge=1, description="search at most this many")
     chunk: int = Field(16, ge=1, description="trees searched together (and per cache commit)")
-
-
-class SearchModels:
-    """The policy and PPM a search uses: a checkpoint's path when there is one (a
-    later round, or an evaluation), else the stage's declared model and no PPM."""
-
-    def __init__(
-        self, stage: Stage, ctx: StageContext, policy_path: str | None, ppm_path: str | None
-    ):
-        resource = ctx.resource("llm")
-        policy = policy_path or stage.model
-        self.ppm_path = ppm_path
-        self.policy_name = resource.model_id(policy)
-        self._policy = lambda: resource.get_llm(policy)
-
-    def policy(self):
-        return self._policy()
-
-    def ppm(self):
-        if self.ppm_path is None:
-            return None
-        from rstar_pipelines.training.ppm import ProcessPreferenceModel
-
-        return ProcessPreferenceModel.load(self.ppm_path)
-
-
-def checkpoint_path(inputs: dict[str, pa.Table], name: str) -> str | None:
-    if name not in inputs:
-        return None
-    rows = inputs[name].to_pylist()
-    if not rows:
-        raise StageInputError(f"{name} has no checkpoint row: train the previous round first")
-    return rows[-1]["path"]
 
 
 def step_prompt(stage: Stage, kind: str) -> StepPrompt:
@@ -111,28 +63,46 @@ def step_prompt(stage: Stage, kind: str) -> StepPrompt:
     return StepPrompt(lambda q: template.render(question=q), chat=kind == "policy")
 
 
+@dataclass
+class SearchRun:
+    """What search_trees found: one tree per problem, the wall seconds of each (its chunk's
+    time shared by the chunk's trees, kept with it so that a cache hit keeps it), and the
+    figures of the searches run now (none when every tree came from the cache)."""
+
+    trees: list[Tree]
+    seconds: list[float]
+    stats: dict
+
+
 def search_trees(
-    stage: Stage, ctx: StageContext, problems: list[dict], models: SearchModels, config
-) -> tuple[list[Tree], list[float], dict]:
-    """Search one tree per problem (cached per problem); the wall seconds of each tree
-    (its chunk's time shared by the chunk's trees, stored with it so a cache hit keeps
-    it) and the search's figures."""
+    stage: Stage,
+    ctx: StageContext,
+    problems: list[VerifiedProblem],
+    models: CheckpointModels,
+    config: MCTSConfig,
+    gold: bool,
+) -> SearchRun:
+    """Search one tree per problem (cached per problem). With `gold`, answer steps are scored
+    against each problem's verified answer (data generation); without, the search never sees
+    it (evaluation: answer steps are valued by the PPM, and scored only afterwards)."""
     params = stage.params
     prompt = step_prompt(stage, params.prompt)
     searcher: list[MCTSSearch] = []
 
-    def key(problem: dict) -> str:
+    def problem(p: VerifiedProblem) -> Problem:
+        return Problem(p.id, p.question, p.answer if gold else None)
+
+    def key(p: VerifiedProblem) -> str:
         return fingerprint(
-            "mcts-timed",
             models.policy_name,
             models.ppm_path,
             config.model_dump(mode="json"),
             stage.prompts[params.prompt].sha256,
-            problem["question"],
-            problem["answer"],
+            p.question,
+            p.answer if gold else None,
         )
 
-    def compute(chunk: list[dict]) -> list[dict]:
+    def compute(chunk: list[VerifiedProblem]) -> list[dict]:
         if not searcher:
             searcher.append(
                 MCTSSearch(
@@ -140,18 +110,20 @@ def search_trees(
                 )
             )
         start = time.perf_counter()  # after loading the models: the search's own time
-        found = searcher[0].run([Problem(p["id"], p["question"], p["answer"]) for p in chunk])
+        found = searcher[0].run([problem(p) for p in chunk])
         seconds = (time.perf_counter() - start) / len(chunk)
         ctx.log.info(f"searched {len(chunk)} trees: {searcher[0].stats.as_dict()}")
         return [{"nodes": t.nodes.to_pylist(), "seconds": seconds} for t in found]
 
     stored = ctx.cache.map(problems, key, compute, params.chunk)
-    trees = [
-        Tree(Problem(p["id"], p["question"], p["answer"]), tree_from_rows(item["nodes"]))
-        for p, item in zip(problems, stored, strict=True)
-    ]
-    seconds = [item["seconds"] for item in stored]
-    return trees, seconds, (searcher[0].stats.as_dict() if searcher else {})
+    return SearchRun(
+        trees=[
+            Tree(problem(p), tree_from_rows(item["nodes"]))
+            for p, item in zip(problems, stored, strict=True)
+        ],
+        seconds=[item["seconds"] for item in stored],
+        stats=searcher[0].stats.as_dict() if searcher else {},
+    )
 
 
 class SearchStage(Stage):
@@ -163,42 +135,43 @@ class SearchStage(Stage):
 
 
 class MCTSTrajectories(SearchStage):
-    """MCTS over code-augmented CoT on the batch's verified math problems (less the
-    held-out split): the completed trajectories with per-step Q-values, and the node
+    """MCTS over code-augmented CoT on the batch's verified math problems of the training side
+    of the held-out split: the completed trajectories with per-step Q-values, and the node
     table of every tree (`mcts_nodes`)."""
 
     Params = SearchStageParams
     schema = schemas.MCTS_TRAJECTORIES
     secondary_outputs: ClassVar[dict[str, pa.Schema]] = {"nodes": schemas.MCTS_NODES}
+    version = "2"  # the reference's search rules (docs/rstar-math.md), seed_id in the rows
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
         problems = search_problems(inputs, p, heldout=False)
-        models = SearchModels(
+        models = CheckpointModels(
             self,
             ctx,
             checkpoint_path(inputs, "previous_policy_checkpoint"),
             checkpoint_path(inputs, "previous_ppm_checkpoint"),
         )
-        trees, _, stats = search_trees(self, ctx, problems, models, p.search)
-        by_id = {q["id"]: q for q in problems}
+        searched = search_trees(self, ctx, problems, models, p.search, gold=True)
         nodes, found = [], []
-        for tree in trees:
+        for problem, tree in zip(problems, searched.trees, strict=True):
             base = {
-                "problem_id": tree.problem.id,
-                "batch": by_id[tree.problem.id]["batch"],
+                "problem_id": problem.id,
+                "seed_id": problem.seed_id,
+                "batch": problem.batch,
                 "round": p.round,
             }
             extra = {
-                "question": tree.problem.question,
-                "gold_answer": tree.problem.answer,
+                "question": problem.question,
+                "gold_answer": problem.answer,
                 "model": models.policy_name,
             }
             nodes += [{**base, **extra, **row} for row in tree.nodes.to_pylist()]
             for t in trajectories(tree):
                 found.append(
                     {
-                        "id": fingerprint(tree.problem.id, p.round, t.leaf.node_id)[:16],
+                        "id": fingerprint(problem.id, p.round, t.leaf.node_id)[:16],
                         **base,
                         "leaf_id": t.leaf.node_id,
                         "steps": t.steps,
@@ -219,7 +192,7 @@ class MCTSTrajectories(SearchStage):
                 "round": p.round,
                 "policy": models.policy_name,
                 "ppm": models.ppm_path or "none",
-                "trees": len(trees),
+                "trees": len(searched.trees),
                 "nodes": len(nodes),
                 "trees_with_a_correct_answer": len(
                     {n["problem_id"] for n in answers if n["correct"]}
@@ -227,54 +200,86 @@ class MCTSTrajectories(SearchStage):
                 "correct_terminals": sum(1 for n in answers if n["correct"]),
                 "wrong_terminals": sum(1 for n in answers if not n["correct"]),
                 "terminals_by_kind": dict(kinds),
-                **{f"search_{k}": v for k, v in stats.items()},
+                **{f"search_{k}": v for k, v in searched.stats.items()},
             },
         )
 
 
-def stored_trees(nodes: pa.Table) -> list[Tree]:
+@dataclass(frozen=True)
+class StoredTree:
+    tree: Tree
+    batch: str
+    seed_id: str
+
+
+def stored_trees(nodes: pa.Table) -> list[StoredTree]:
     """The trees of a node table, one per (batch, problem)."""
     grouped: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for row in nodes.to_pylist():
         grouped[(row["batch"], row["problem_id"])].append(row)
     trees = []
-    for (_, problem_id), rows in sorted(grouped.items()):
+    for (batch, problem_id), rows in sorted(grouped.items()):
         problem = Problem(problem_id, rows[0]["question"], rows[0]["gold_answer"])
-        trees.append(
-            Tree(problem, tree_from_rows([{k: r.get(k) for k in NODE.names} for r in rows]))
-        )
+        root = tree_from_rows([{k: r.get(k) for k in schemas.NODE.names} for r in rows])
+        trees.append(StoredTree(Tree(problem, root), batch, rows[0]["seed_id"]))
     return trees
 
 
-class PairParams(StageParams):
+class TrainingTableParams(StageParams):
     round: int = Field(1, ge=1)
+    heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
+
+
+def training_trees(
+    inputs: dict[str, pa.Table], split: HeldoutSplit
+) -> tuple[list[StoredTree], dict[str, str], int]:
+    """The searched trees of the training side, the lineage (problem -> seed) of
+    synthesized_problems, and how many trees were left out as held-out (none, when the search
+    kept to its side)."""
+    lineage = seeds_of(inputs["synthesized_problems"])
+    trees = stored_trees(inputs["mcts_nodes"])
+    kept = [t for t in trees if not split.is_heldout(lineage.get(t.tree.problem.id, t.seed_id))]
+    return kept, lineage, len(trees) - len(kept)
+
+
+class PairParams(TrainingTableParams):
     min_margin: float = Field(0.5, ge=0, description="least Q difference of a kept pair")
     min_edit_distance: int = Field(20, ge=0, description="least Levenshtein distance, in chars")
+    final_pairs: bool = Field(
+        True,
+        description="also pair whole trajectories (the paper); the released code makes step "
+        "pairs only",
+    )
 
 
 class PreferencePairs(Stage):
-    """Step-level preference pairs from every searched tree (spec §2.2), in TRL's
-    reward layout: prompt, chosen, rejected, margin."""
+    """Step-level (and final-answer) preference pairs from every searched tree of the training
+    side of the split, in TRL's reward layout: prompt, chosen, rejected, margin."""
 
     Params = PairParams
     schema = schemas.PPM_PAIRS
+    checks = (NO_HELDOUT_CHECK,)
+    version = "2"  # seed_id, the split's check, final pairs as an option
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        batch_of = {r["problem_id"]: r["batch"] for r in rows_of(inputs["mcts_nodes"])}
+        trees, lineage, left_out = training_trees(inputs, p.heldout)
         rows = []
-        trees = stored_trees(inputs["mcts_nodes"])
-        for tree in trees:
-            for pair in preference_pairs(tree, p.min_margin, p.min_edit_distance):
+        for stored in trees:
+            tree = stored.tree
+            for pair in preference_pairs(
+                tree, p.min_margin, p.min_edit_distance, final_pairs=p.final_pairs
+            ):
                 rows.append(
                     {
                         "id": fingerprint(tree.problem.id, p.round, pair.chosen, pair.rejected)[
                             :16
                         ],
                         "problem_id": tree.problem.id,
-                        "batch": batch_of[tree.problem.id],
+                        "seed_id": stored.seed_id,
+                        "batch": stored.batch,
                         "round": p.round,
-                        **{k: getattr(pair, k) for k in schemas.PPM_PAIRS.names[4:]},
+                        **{k: getattr(pair, k) for k in schemas.PPM_PAIRS.names[5:]},
                     }
                 )
         kinds = Counter(r["kind"] for r in rows)
@@ -282,35 +287,44 @@ class PreferencePairs(Stage):
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={
                 "trees": len(trees),
+                "heldout_trees_left_out": left_out,
                 "trees_with_pairs": len({r["problem_id"] for r in rows}),
                 "step_pairs": kinds["step"],
                 "final_pairs": kinds["final"],
                 "margin_distribution": histogram(
-                    [r["margin"] for r in rows], "pair margins", "Q margin", value_range=(0, 2)
+                    [r["margin"] for r in rows],
+                    "pair margins",
+                    "Q margin",
+                    "pairs",
+                    value_range=(0, 2),
                 ),
             },
+            checks=[no_heldout_check(rows, lineage, p.heldout)],
         )
 
 
-class SFTParams(StageParams):
-    round: int = Field(1, ge=1)
+class SFTParams(TrainingTableParams):
     per_problem: int = Field(2, ge=1, description="best correct trajectories kept per problem")
 
 
 class SFTDataset(Stage):
-    """Policy fine-tuning data as chat messages: the best correct trajectories of each
-    tree by mean then minimum Q (spec §3), plus the verified solutions."""
+    """Policy fine-tuning data as chat messages, from the training side of the split only: the
+    best correct trajectories of each tree by mean then minimum Q (docs/rstar-math.md), plus the
+    verified solutions of the training side's problems."""
 
     Params = SFTParams
     schema = schemas.SFT_DATASET
     prompt_roles = ("policy",)
+    checks = (NO_HELDOUT_CHECK,)
+    version = "2"  # held-out problems' verified solutions left out, seed_id, the split's check
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
         user = self.prompts["policy"]
-        batch_of = {r["problem_id"]: r["batch"] for r in rows_of(inputs["mcts_nodes"])}
+        trees, lineage, left_out = training_trees(inputs, p.heldout)
         rows = []
-        for tree in stored_trees(inputs["mcts_nodes"]):
+        for stored in trees:
+            tree = stored.tree
             for t in best_trajectories(tree, p.per_problem):
                 messages = [
                     {"role": "user", "content": user.render(question=tree.problem.question)},
@@ -321,7 +335,8 @@ class SFTDataset(Stage):
                         "id": fingerprint(tree.problem.id, p.round, t.leaf.node_id)[:16],
                         "source": "mcts",
                         "problem_id": tree.problem.id,
-                        "batch": batch_of[tree.problem.id],
+                        "seed_id": stored.seed_id,
+                        "batch": stored.batch,
                         "round": p.round,
                         "domain": "math",
                         "messages": messages,
@@ -330,12 +345,19 @@ class SFTDataset(Stage):
                     }
                 )
         from_trees = len(rows)
-        for r in rows_of(inputs["verified_solutions"]):
+        solutions = rows_of(inputs["verified_solutions"])
+        kept = [
+            r
+            for r in solutions
+            if r["problem_id"] in lineage and not p.heldout.is_heldout(lineage[r["problem_id"]])
+        ]
+        for r in kept:
             rows.append(
                 {
                     "id": r["id"],
                     "source": "verified_solutions",
                     "problem_id": r["problem_id"],
+                    "seed_id": lineage[r["problem_id"]],
                     "batch": r["batch"],
                     "round": p.round,
                     "domain": r["domain"],
@@ -346,5 +368,11 @@ class SFTDataset(Stage):
             )
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
-            metadata={"from_trees": from_trees, "from_verified_solutions": len(rows) - from_trees},
+            metadata={
+                "from_trees": from_trees,
+                "from_verified_solutions": len(rows) - from_trees,
+                "heldout_trees_left_out": left_out,
+                "heldout_solutions_left_out": len(solutions) - len(kept),
+            },
+            checks=[no_heldout_check(rows, lineage, p.heldout)],
         )

@@ -44,21 +44,87 @@ MAX_OBSERVATION_CHARS = 1024
 
 @dataclass(frozen=True)
 class ParsedStep:
-    """A generated step: its text with the stop string put back, and what it is."""
+    """A generated step: its text with the stop string put back, and what it is: "answer",
+    "code" (a Python action, run), or "text" (neither: a `boxed` step with no answer in it)."""
 
     text: str
-    is_answer: bool
+    kind: str
     final_answer: str | None
     closes_code: bool
 
 
-def parse_step(text: str, stop_string: str | None) -> ParsedStep:
-    """A step as the reference reads it: any `boxed` makes it an answer step (its
-    final answer is the last box's content); anything else is a Python action."""
+def parse_step(
+    text: str, stop_string: str | None, empty_box: str = "step", answers: str = "reference"
+) -> ParsedStep:
+    """A step as the reference reads it: any `boxed` makes it an answer step; anything else is
+    a Python action. The answer is read by the reference's rule (`reference_answer`), or with
+    `answers="last_box"` as math-verify reads boxes (`extract_boxed`). A `boxed` step from
+    which no answer is read (an empty box) is, with `empty_box="step"` as in the reference, an
+    ordinary step that runs no code; with "wrong_answer", an answer step without an answer."""
     full = text + (stop_string or "")
     if "boxed" in full:
-        return ParsedStep(full, True, extract_boxed(full), False)
-    return ParsedStep(full, False, None, CODE_END in full)
+        answer = reference_answer(full) if answers == "reference" else extract_boxed(full)
+        if not answer:
+            if empty_box == "step":
+                return ParsedStep(full, "text", None, False)
+            answer = None
+        return ParsedStep(full, "answer", answer, False)
+    return ParsedStep(full, "code", None, CODE_END in full)
+
+
+INVALID_ANSWER = "[invalid]"
+
+
+def reference_answer(text: str) -> str:
+    """The final answer of an answer step by the reference's rule: the text before its first
+    ".\n", less a final period; in it, the content of the last `\boxed{` (the rest of the text
+    when the box is not closed; the whole text when there is none); then the first `\text{...}`
+    unwrapped (dropped when it holds only "and"). "" when the box is empty; "[invalid]" when the
+    braces cannot be matched."""
+    try:
+        head = text.split(".\n")[0].strip()
+        if head.endswith("."):
+            head = head[:-1]
+        return _unwrap_text(_last_box(head.strip()))
+    except (IndexError, UnboundLocalError):
+        return INVALID_ANSWER
+
+
+def _last_box(text: str) -> str:
+    start = text.rfind("\\boxed{")
+    if start == -1:
+        return text
+    rest, opened, end = text[start:], [], None
+    for i, char in enumerate(rest):
+        if char == "{":
+            opened.append(i)
+        elif char == "}":
+            start = opened.pop()
+            if not opened:
+                end = i
+                break
+    # As the reference: unclosed, the cut starts after the last brace it matched (or at the
+    # position of the box in the whole text, when it matched none).
+    return rest[start + 1 : end]
+
+
+def _unwrap_text(text: str) -> str:
+    start = text.find("\\text{")
+    if start == -1:
+        return text
+    rest, opened = text[start:], []
+    for i, char in enumerate(rest):
+        if char == "{":
+            opened.append(i)
+        elif char == "}":
+            inner = opened.pop()
+            if not opened:
+                close = i
+                break
+    inside = text[start + inner + 1 : start + close]
+    if inside.strip() == "and":
+        return (text[:start] + text[start + close + 1 :]).strip()
+    return (text[:start] + inside.strip() + text[start + close + 1 :]).strip()
 
 
 def program_of(actions: Sequence[str]) -> str:

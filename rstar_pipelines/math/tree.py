@@ -7,29 +7,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-import pyarrow as pa
-
 from rstar_pipelines.math.steps import FAILURES
-
-NODE = pa.struct(
-    [
-        ("node_id", pa.string()),
-        ("parent_id", pa.string()),
-        ("depth", pa.int64()),
-        ("text", pa.string()),
-        ("kind", pa.string()),  # root, code, answer, or a failure sentinel
-        ("observation", pa.string()),
-        ("terminal", pa.bool_()),
-        ("final_answer", pa.string()),
-        ("correct", pa.bool_()),
-        ("visits", pa.int64()),
-        ("q", pa.float64()),
-        ("value", pa.float64()),  # the first value the node was given (PPM or reward)
-        # Tokens the policy generated for this step (null: the root, or a tree stored
-        # before nodes counted them).
-        ("completion_tokens", pa.int64()),
-    ]
-)
 
 
 @dataclass(eq=False)
@@ -143,10 +121,11 @@ def select_child(node: Node, c: float) -> Node | None:
     return best
 
 
-def descend(node: Node, c: float) -> Node | None:
-    """Follow the best children down to a node not yet expanded. A node whose
-    children are all terminal becomes terminal itself, and the descent ends (None)."""
-    while node.children:
+def step_down(node: Node, c: float) -> Node | None:
+    """One level of the reference's selection: from an expanded node, its best child (or, when
+    every child is terminal, None, and the node becomes terminal); an unexpanded open node
+    stays where it is; None from a terminal node."""
+    if node.children or node.terminal:
         child = select_child(node, c)
         if child is None:
             node.terminal = True

@@ -146,6 +146,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
             cache_path=settings.data_dir() / "cache" / f"{decl.key}.sqlite",
+            cache_namespace=stage_cls.cache_namespace(),
             launcher=lambda command: dg.PipesSubprocessClient().run(
                 context=context, command=command
             ),

@@ -3,8 +3,12 @@
 Every item (one problem's completions, one problem's verification, ...) is committed
 as soon as it is done, so re-materializing a partition after a crash or a parameter
 change redoes only the items whose fingerprint changed or that were in flight.
-A fingerprint covers everything the item's result depends on: its inputs, the
-prompt, the model and the parameters.
+
+A key has two parts. The stage's fingerprint of the item covers the data its result depends on:
+its inputs, the prompt, the model and the parameters it uses. The cache's namespace covers the
+code: the stage kind and its `version` (pipeline/stage.py), mixed into every key here, in one
+place, so that bumping a stage's version after a change to what its code computes redoes every
+item of that stage, and no other stage's.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ def fingerprint(*parts: Any) -> str:
 class ItemCache:
     """A small SQLite table per asset (WAL, so runs of other partitions can share it)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, namespace: str):
+        if not namespace:
+            raise ValueError("an item cache needs a namespace: the stage kind and its version")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
+        self.namespace = namespace
         self._db = sqlite3.connect(path, timeout=60, check_same_thread=False)
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(
@@ -38,15 +45,21 @@ class ItemCache:
         self.hits = 0
         self.misses = 0
 
+    def _stored_key(self, key: str) -> str:
+        return fingerprint(self.namespace, key)
+
     def get(self, key: str) -> Any | None:
-        row = self._db.execute("SELECT value FROM items WHERE fingerprint = ?", (key,)).fetchone()
+        """The value stored for the item fingerprint `key` by this namespace, or None."""
+        row = self._db.execute(
+            "SELECT value FROM items WHERE fingerprint = ?", (self._stored_key(key),)
+        ).fetchone()
         return None if row is None else json.loads(row[0])
 
     def put(self, key: str, value: Any) -> None:
         with self._db:  # one transaction per item: committed before the next starts
             self._db.execute(
                 "INSERT OR REPLACE INTO items (fingerprint, value) VALUES (?, ?)",
-                (key, json.dumps(value, ensure_ascii=False)),
+                (self._stored_key(key), json.dumps(value, ensure_ascii=False)),
             )
 
     def map(

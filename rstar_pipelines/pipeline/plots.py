@@ -30,9 +30,11 @@ def histogram(
     values: Sequence[float],
     title: str,
     xlabel: str,
+    ylabel: str,
     bins: int = 10,
     value_range: tuple[float, float] = (0.0, 1.0),
 ) -> Markdown:
+    """How many of `values` fall in each bin; `ylabel` names what they count."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +44,7 @@ def histogram(
     ax.hist(list(values), bins=bins, range=value_range, color="#4c72b0", edgecolor="white")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("problems")
+    ax.set_ylabel(ylabel)
     return _png_markdown(fig, title)
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.pipeline.stage import Stage
+from rstar_pipelines.problems import HeldoutSplit
 
 PARTITIONINGS = ("seed_batches", "none")
 AssetKeyStr = Field(pattern=r"^[a-z][a-z0-9_]*$")
@@ -59,6 +60,8 @@ class PipelineFile(BaseModel):
     # null means the resource's default (RSTAR_LLM_MODEL, else the embedded model).
     models: dict[str, str | None] = {}
     rounds: int = Field(1, ge=1, description="self-evolution rounds of the per-round assets")
+    # The one held-out split: stages whose params have a `heldout` field receive it.
+    heldout: HeldoutSplit = HeldoutSplit()
     assets: list[AssetDecl]
 
 
@@ -266,7 +269,7 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
                 f"unknown {sorted(extra)})",
             )
         try:
-            params = stage_cls.Params.model_validate(decl.params)
+            params = stage_cls.Params.model_validate(_with_split(path, decl, stage_cls, parsed))
         except ValidationError as err:
             first = err.errors()[0]
             raise _fail(path, decl.key, _loc(("params", *first["loc"])), first["msg"]) from None
@@ -312,6 +315,25 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
                 raise _fail(path, asset.key, "upstream", "an asset cannot depend on itself")
     _check_acyclic(path, declared, produced)
     return PipelineSpec(path, declared)
+
+
+def _with_split(
+    path: Path, decl: AssetDecl, stage_cls: type[Stage], parsed: PipelineFile
+) -> dict[str, Any]:
+    """The asset's params, with the file's held-out split for a stage that reads it. The split
+    is declared once: an asset may not set its own."""
+    if "heldout" not in stage_cls.Params.model_fields:
+        return decl.params
+    for own in ("heldout", "heldout_fraction"):
+        if own in decl.params:
+            raise _fail(
+                path,
+                decl.key,
+                f"params.{own}",
+                "the held-out split is declared once, in the top-level `heldout:` section "
+                "(fraction, salt), for every stage that trains or evaluates",
+            )
+    return {**decl.params, "heldout": parsed.heldout.model_dump()}
 
 
 def _check_acyclic(path: Path, declared: list[DeclaredAsset], produced: dict[str, str]) -> None:

@@ -49,6 +49,7 @@ class StageContext:
     resources: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None
     cache_path: Path | None = None
+    cache_namespace: str = ""  # Stage.cache_namespace() of the stage that runs
     # Runs a command out of this process; the asset factory sets one that goes through
     # Dagster Pipes (the run's logs show its messages, cancelling the run stops it).
     launcher: Callable[[list[str]], None] | None = None
@@ -61,7 +62,7 @@ class StageContext:
         if self._cache is None:
             if self.cache_path is None:
                 raise RuntimeError("this stage context has no item cache")
-            self._cache = ItemCache(self.cache_path)
+            self._cache = ItemCache(self.cache_path, self.cache_namespace)
         return self._cache
 
     def cache_metadata(self) -> dict[str, Any]:
@@ -132,7 +133,13 @@ class Stage:
       resources          Dagster resource keys it needs
       checks             the checks its run reports on (CheckSpec)
       kinds              tags shown as icons in the Dagster UI
-      version            bump when a change to the code changes what it produces
+      version            bump it whenever a change to the code changes what the stage
+                         produces from the same inputs and parameters, including code it
+                         calls (the search engine, a parser, a prompt renderer): the
+                         version is part of every item-cache key of the stage and of the
+                         asset's code version, so a bump redoes its cached items and marks
+                         it and everything downstream stale. No bump for a change that
+                         only adds metadata or renames nothing stored.
 
     A stage whose params have a `model` field names a role of the pipeline's
     `models:` section; it receives the model that role resolves to as `self.model`
@@ -157,6 +164,11 @@ class Stage:
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         raise NotImplementedError
+
+    @classmethod
+    def cache_namespace(cls) -> str:
+        """What every item-cache key of this stage kind carries: its name and version."""
+        return f"{cls.__name__}@{cls.version}"
 
 
 def rows_of(table: pa.Table, domain: str | None = None) -> list[dict[str, Any]]:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from rstar_pipelines.math.tree import NODE
-
 EXAMPLE = pa.struct([("stdin", pa.string()), ("stdout", pa.string())])
 
 SEED_PROBLEMS = pa.schema(
@@ -167,9 +165,33 @@ VERIFIED_SOLUTIONS = pa.schema(
 
 # -- rStar-Math: search, preference pairs, SFT data, checkpoints ------------------------
 
+# One node of a search tree (rstar_pipelines.math.tree.Node.row).
+NODE = pa.struct(
+    [
+        ("node_id", pa.string()),
+        ("parent_id", pa.string()),
+        ("depth", pa.int64()),
+        ("text", pa.string()),
+        ("kind", pa.string()),  # root, code, text (no code: a box without answer), answer,
+        # or a failure sentinel
+        ("observation", pa.string()),
+        ("terminal", pa.bool_()),
+        ("final_answer", pa.string()),
+        ("correct", pa.bool_()),
+        ("visits", pa.int64()),
+        ("q", pa.float64()),
+        ("value", pa.float64()),  # the first value the node was given (PPM or reward)
+        # Tokens the policy generated for this step (null: the root, or a tree stored
+        # before nodes counted them).
+        ("completion_tokens", pa.int64()),
+    ]
+)
+
+
 MCTS_NODES = pa.schema(
     [
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
         ("batch", pa.string()),
         ("round", pa.int64()),
         ("question", pa.string()),
@@ -183,6 +205,7 @@ MCTS_TRAJECTORIES = pa.schema(
     [
         ("id", pa.string()),
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
         ("batch", pa.string()),
         ("round", pa.int64()),
         ("leaf_id", pa.string()),
@@ -201,6 +224,7 @@ PPM_PAIRS = pa.schema(
     [
         ("id", pa.string()),
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
         ("batch", pa.string()),
         ("round", pa.int64()),
         ("kind", pa.string()),  # "step" or "final"
@@ -224,12 +248,54 @@ SFT_DATASET = pa.schema(
         ("id", pa.string()),
         ("source", pa.string()),  # "mcts" or "verified_solutions"
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
         ("batch", pa.string()),
         ("round", pa.int64()),
         ("domain", pa.string()),
         ("messages", pa.list_(MESSAGE)),
         ("mean_q", pa.float64()),
         ("min_q", pa.float64()),
+    ]
+)
+
+# -- rStar2-Agent: GRPO-RoC ---------------------------------------------------------------
+
+# What a grpo training job reads: one problem per row (`id` is the problem's id) and the chat
+# its rollouts start from.
+GRPO_ROC_DATA = pa.schema(
+    [
+        ("id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
+        ("batch", pa.string()),
+        ("domain", pa.string()),
+        ("question", pa.string()),
+        ("answer", pa.string()),
+        ("inputs", pa.list_(pa.string())),
+        ("labels", pa.list_(pa.string())),
+        ("prompt", pa.list_(MESSAGE)),
+    ]
+)
+
+# The GRPO-RoC policy on the held-out problems: one row per problem and method ("greedy": one
+# turn, no tool run; "tool": the training rollouts' turns with the Python tool), graded by the
+# training reward.
+GRPO_EVAL = pa.schema(
+    [
+        ("problem_id", pa.string()),
+        ("seed_id", pa.string()),
+        ("batch", pa.string()),
+        ("round", pa.int64()),
+        ("domain", pa.string()),
+        ("gold_answer", pa.string()),  # math only
+        ("method", pa.string()),
+        ("answer", pa.string()),  # math: the final turn's answer
+        ("correct", pa.bool_()),
+        ("turns", pa.int64()),
+        ("tool_calls", pa.int64()),
+        ("tool_errors", pa.int64()),
+        ("tokens", pa.int64()),
+        ("seconds", pa.float64()),  # kept from when it was computed
+        ("policy", pa.string()),
     ]
 )
 
@@ -257,15 +323,19 @@ CHECKPOINT = pa.schema(
 MCTS_EVAL = pa.schema(
     [
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),
         ("batch", pa.string()),
         ("round", pa.int64()),
-        ("gold_answer", pa.string()),
+        ("gold_answer", pa.string()),  # read only to score the picks below, never by a search
         ("greedy_answer", pa.string()),
-        ("best_q_answer", pa.string()),
-        ("majority_answer", pa.string()),
+        ("best_q_answer", pa.string()),  # null without a PPM: nothing values the answers
+        ("majority_answer", pa.string()),  # over the top-k answers by Q, or all without a PPM
         ("greedy_correct", pa.bool_()),
         ("best_q_correct", pa.bool_()),
         ("majority_correct", pa.bool_()),
+        ("search_any_correct", pa.bool_()),  # some answer the search found is right (an oracle)
+        ("search_answers", pa.int64()),
+        ("answers_valued_by_ppm", pa.int64()),
         ("search_nodes", pa.int64()),
         # What each method cost on the problem: tokens generated, and wall seconds (the
         # search's own time, without loading the models; kept from when it was computed).
@@ -274,6 +344,7 @@ MCTS_EVAL = pa.schema(
         ("greedy_seconds", pa.float64()),
         ("search_seconds", pa.float64()),
         ("policy", pa.string()),
+        ("ppm", pa.string()),
     ]
 )
 
@@ -296,6 +367,7 @@ DSER_STATE = pa.struct(
 DSER_EVAL = pa.schema(
     [
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),
         ("batch", pa.string()),
         ("round", pa.int64()),
         ("domain", pa.string()),
@@ -324,12 +396,13 @@ DSER_EVAL = pa.schema(
 EVAL_COMPARISON = pa.schema(
     [
         ("round", pa.int64()),
+        ("checkpoint", pa.string()),  # policy, policy+ppm, grpo_roc or attn_gates
         ("method", pa.string()),
         ("problems", pa.int64()),
         ("accuracy", pa.float64()),
         ("tokens_per_problem", pa.float64()),
         ("seconds_per_problem", pa.float64()),
-        ("policy", pa.string()),
+        ("model", pa.string()),  # what generated: the checkpoint's model id
     ]
 )
 
@@ -340,6 +413,7 @@ GATE_DISTILL_DATA = pa.schema(
         ("id", pa.string()),
         ("source", pa.string()),  # "verified_solutions", "seed_problems" or "file"
         ("problem_id", pa.string()),
+        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
         ("domain", pa.string()),
         # Exactly one of the two: a plain text, or chat messages that the trainer renders
         # with the base model's own chat template.
@@ -364,5 +438,36 @@ GATE_CHECKPOINT = pa.schema(
         ("heldout_recall_after", pa.float64()),
         ("seconds", pa.float64()),
         ("run_id", pa.string()),
+    ]
+)
+
+GATE_ANSWER = pa.struct(
+    [
+        ("problem_id", pa.string()),
+        ("batch", pa.string()),
+        ("answer", pa.string()),
+        ("correct", pa.bool_()),
+        ("same_as_dense", pa.bool_()),
+        ("tokens", pa.int64()),
+        ("seconds", pa.float64()),  # kept from when it was computed
+    ]
+)
+
+# The gates against dense attention on the held-out split: one row for dense decoding and one per
+# token budget. KL and agreement are means over every teacher-forced decode step of the texts.
+ATTN_GATE_EVAL = pa.schema(
+    [
+        ("setting", pa.string()),  # "dense" or "budget N"
+        ("token_budget", pa.int64()),
+        ("texts", pa.int64()),
+        ("decode_steps", pa.int64()),
+        ("kl", pa.float64()),  # KL(dense || sparse) of the next-token distributions
+        ("top1_agreement", pa.float64()),
+        ("math_problems", pa.int64()),
+        ("answer_accuracy", pa.float64()),  # greedy answers to the held-out math problems
+        ("answer_agreement_with_dense", pa.float64()),
+        ("answers", pa.list_(GATE_ANSWER)),
+        ("gates", pa.string()),
+        ("base_model", pa.string()),
     ]
 )

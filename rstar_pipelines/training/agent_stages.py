@@ -1,15 +1,15 @@
-"""grpo_roc_checkpoint: the round's policy trained with GRPO-RoC (rStar2-Agent, spec §6), out of
-process like the other checkpoints.
+"""grpo_roc_data and grpo_roc_checkpoint: the round's policy trained with GRPO-RoC
+(rStar2-Agent, docs/agent.md), out of process like the other checkpoints.
 
-The trainer reads one row per problem: its id, domain, question, gold answer (math) or verified
-test inputs and labels (code), and `prompt`, the chat a rollout starts from, rendered here from
-the agent_system and agent_user templates. So the training data file shows exactly what the
-policy is given, and the training process renders nothing.
+The trainer reads one row per problem of grpo_roc_data: its id, domain, question, gold answer
+(math) or verified test inputs and labels (code), and `prompt`, the chat a rollout starts from,
+rendered from the agent_system and agent_user templates. So the training table shows exactly what
+the policy is given, the training process renders nothing, and the table's blocking check proves
+it holds no held-out problem before anything trains on it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,87 +17,88 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.agent.format import agent_prompt
-from rstar_pipelines.agent.reward import AgentProblem
-from rstar_pipelines.dser.stages import verified_code_problems
-from rstar_pipelines.math.search_stages import is_heldout, verified_math_problems
 from rstar_pipelines.pipeline.plots import line_plot
-from rstar_pipelines.pipeline.stage import (
-    StageContext,
-    StageInputError,
-    StageParams,
-    StageResult,
+from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, StageResult
+from rstar_pipelines.problems import (
+    NO_HELDOUT_CHECK,
+    HeldoutSplit,
+    first_of_each_domain,
+    no_heldout_check,
+    on_side,
+    seeds_of,
+    verified_problems,
 )
 from rstar_pipelines.storage import schemas
 from rstar_pipelines.training.grpo import GRPOTrainConfig
 from rstar_pipelines.training.stages import TrainingStage, policy_checkpoint_path
 
-# The rows a grpo job reads (training/run.py).
-GRPO_DATA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("domain", pa.string()),
-        ("question", pa.string()),
-        ("answer", pa.string()),
-        ("inputs", pa.list_(pa.string())),
-        ("labels", pa.list_(pa.string())),
-        ("prompt", pa.list_(schemas.MESSAGE)),
-    ]
-)
+
+class GRPODataParams(StageParams):
+    heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
+    max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
+
+
+class GRPORoCData(Stage):
+    """The problems GRPO-RoC trains on: the verified problems of the training side of the
+    held-out split (math with a gold answer, code with verified tests), each with `prompt`, the
+    chat its rollouts start from (agent_system and agent_user rendered)."""
+
+    Params = GRPODataParams
+    schema = schemas.GRPO_ROC_DATA
+    prompt_roles = ("agent_system", "agent_user")
+    checks = (NO_HELDOUT_CHECK,)
+
+    def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
+        p = self.params
+        found = verified_problems(inputs)
+        problems = first_of_each_domain(on_side(found, p.heldout, False), p.max_problems)
+        system, user = self.prompts["agent_system"], self.prompts["agent_user"]
+        rows = [
+            {
+                "id": q.id,
+                "seed_id": q.seed_id,
+                "batch": q.batch,
+                "domain": q.domain,
+                "question": q.question,
+                "answer": q.answer,
+                "inputs": list(q.inputs),
+                "labels": list(q.labels),
+                "prompt": agent_prompt(system, user, q.question, q.domain),
+            }
+            for q in problems
+        ]
+        lineage = seeds_of(inputs["synthesized_problems"])
+        return StageResult(
+            table=pa.Table.from_pylist(rows, schema=self.schema),
+            metadata={
+                "problems": len(rows),
+                "math": sum(r["domain"] == "math" for r in rows),
+                "code": sum(r["domain"] == "code" for r in rows),
+                "heldout_problems_left_out": len(found) - len(on_side(found, p.heldout, False)),
+            },
+            checks=[no_heldout_check(rows, lineage, p.heldout, problem_key="id")],
+        )
 
 
 class GRPOTrainingParams(StageParams):
     round: int = Field(1, ge=1)
-    heldout_fraction: float = Field(
-        0.2, ge=0, lt=1, description="problems kept for evaluation (mcts_eval's split)"
-    )
-    max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
     # sandbox_backend and sandbox_workers are set from the sandbox resource when the stage runs.
     train: GRPOTrainConfig = GRPOTrainConfig()
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
 
 
 class GRPORoCCheckpoint(TrainingStage):
-    """The round's policy checkpoint trained with GRPO-RoC on the verified problems of the
-    training side of the held-out split (math with a gold answer, code with verified tests),
-    calling a Python tool in the sandbox during its rollouts."""
+    """The round's policy checkpoint trained with GRPO-RoC on grpo_roc_data (the training side
+    of the held-out split), calling a Python tool in the sandbox during its rollouts."""
 
     Params = GRPOTrainingParams
-    prompt_roles = ("agent_system", "agent_user")
     resources = ("sandbox",)
     job = "grpo"
-    data_input = "verified_outputs"
+    data_input = "grpo_roc_data"
+    empty_hint = "verify more problems on the training side of the held-out split"
 
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
         return policy_checkpoint_path(inputs)
-
-    def training_data(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> pa.Table:
-        p = self.params
-        math = [
-            AgentProblem(q["id"], "math", q["question"], q["answer"])
-            for q in verified_math_problems(inputs)
-        ]
-        code = [
-            AgentProblem(**dataclasses.asdict(h.problem)) for h in verified_code_problems(inputs)
-        ]
-        problems: list[AgentProblem] = []
-        for found in (math, code):
-            problems += [q for q in found if not is_heldout(q.id, p.heldout_fraction)][
-                : p.max_problems
-            ]
-        if not problems:
-            raise StageInputError(
-                "no verified problem on the training side of the held-out split: there is "
-                "nothing to train the grpo on (verify more problems, or lower heldout_fraction)"
-            )
-        system, user = self.prompts["agent_system"], self.prompts["agent_user"]
-        rows = [
-            {
-                **dataclasses.asdict(q),
-                "prompt": agent_prompt(system, user, q.question, q.domain),
-            }
-            for q in problems
-        ]
-        return pa.Table.from_pylist(rows, schema=GRPO_DATA)
 
     def train_settings(self, ctx: StageContext) -> dict[str, Any]:
         # The training process starts its own sandbox, of the kind the resource would start.

@@ -150,9 +150,9 @@ def train(
             config.base_model, device, config.output_dir, train_config, rows, log
         )
     elif config.job == "ppm":
-        from rstar_pipelines.training.ppm import ProcessPreferenceModel, train_ppm
+        from rstar_pipelines.training.ppm import ppm_from_base, train_ppm
 
-        ppm = ProcessPreferenceModel.from_base(config.base_model)
+        ppm = ppm_from_base(config.base_model)
         ppm.model.to(device)
         metrics = train_ppm(ppm, rows, train_config, log)
         ppm.save(config.output_dir)

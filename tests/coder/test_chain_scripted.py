@@ -167,7 +167,7 @@ def _materialize(defs, resources, instance):
     )
 
 
-def test_chain_labels_and_caches(chain_defs):
+def test_chain_labels_and_caches(chain_defs, monkeypatch):
     defs, resources = chain_defs
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["t"])
@@ -213,3 +213,19 @@ def test_chain_labels_and_caches(chain_defs):
             md = event.materialization.metadata
             if "cache_hit_rate" in md:
                 assert md["cache_hit_rate"].value == 1.0, event.asset_key
+
+        # A new version of one stage kind redoes that stage's items, and only those: the
+        # candidates are generated again (the same, so everything after them still hits).
+        from rstar_pipelines.coder.generation_stages import CandidateSolutions
+
+        monkeypatch.setattr(CandidateSolutions, "version", CandidateSolutions.version + "-next")
+        third = _materialize(defs, resources, instance)
+        assert third.success
+        assert SCRIPTED.prompts == before + 4  # the four problems' candidates, once each
+        rates = {
+            event.asset_key.path[-1]: event.materialization.metadata["cache_hit_rate"].value
+            for event in third.get_asset_materialization_events()
+            if "cache_hit_rate" in event.materialization.metadata
+        }
+        assert rates.pop("candidate_solutions") == 0.0
+        assert rates and set(rates.values()) == {1.0}

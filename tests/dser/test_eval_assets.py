@@ -1,6 +1,7 @@
-"""mcts_eval, dser_eval and eval_comparison through Dagster: a scripted policy (the golden
-MCTS tree's steps, and fixed DSER solutions, critiques and refinements) with a real PPM
-from a tiny random model and the real sandbox; every figure below is computed by hand."""
+"""mcts_eval, dser_eval, grpo_eval and eval_comparison through Dagster: a scripted policy (the
+golden MCTS tree's steps, fixed DSER solutions, critiques and refinements, and a tool-using agent)
+with a real PPM from a tiny random model and the real sandbox; every figure below is computed by
+hand."""
 
 from __future__ import annotations
 
@@ -15,21 +16,22 @@ from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.dser.evolve import DSERProblem, DSERPrompts
 from rstar_pipelines.llm import Completion
 from rstar_pipelines.llm.resource import LLMResource
-from rstar_pipelines.math.search_stages import is_heldout
 from rstar_pipelines.math.steps import PREAMBLE
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.pipeline.stage import StageContext, StageInputError
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
+from tests.agent.test_rollout import call
 from tests.conftest import REPO
 from tests.math.test_mcts import SCRIPT, A, D
 
 MATH_Q = "What is 2 + 3?"
 CODE_Q = "Read an integer n and print 2 * n."
+SPLIT = load_spec(REPO / "assets" / "pipeline.yaml").by_key["mcts_eval"].params.heldout
 IDS = [f"p{i}" for i in range(40)]
-HELDOUT = [i for i in IDS if is_heldout(i, 0.2)]
-TRAIN = [i for i in IDS if not is_heldout(i, 0.2)]
+HELDOUT = [i for i in IDS if SPLIT.is_heldout(i)]
+TRAIN = [i for i in IDS if not SPLIT.is_heldout(i)]
 MATH_IDS = HELDOUT[:2]  # mcts_eval and dser_eval take at most 2 of each domain
 CODE_ID = HELDOUT[2]
 
@@ -60,6 +62,13 @@ VERIFY = {
 REFINE = {WRONG: FIXED, RIGHT: BROKEN, BROKEN: FIXED, BAD: GOOD2}
 SOLVE = {"math": [WRONG, RIGHT], "code": [GOOD, BAD]}
 
+# The agent (grpo_eval): a tool call first, then, after the tool's response, its answer.
+AGENT_CALL = {"math": call("print(2 + 3)"), "code": call("print(2 * 21)")}
+AGENT_ANSWER = {
+    "math": "<answer>\\boxed{5}</answer>",
+    "code": "<answer>\n```python\nn = int(input())\nprint(2 * n)\n```\n</answer>",
+}
+
 MATH = DSERProblem("m", "math", MATH_Q, "5")
 CODE = DSERProblem("c", "code", CODE_Q, inputs=("2", "5"), labels=("4", "10"))
 
@@ -88,8 +97,9 @@ def _tokens(text: str) -> int:
 
 
 class ScriptedPolicy:
-    """The golden MCTS tree's steps after the search's chat prompt; the DSER script after
-    a single user message. `n` completions: the scripted ones, repeated in turn."""
+    """The golden MCTS tree's steps after the search's chat prompt (the question, then the
+    steps so far); the agent's turns after its system prompt; the DSER script after a single
+    user message. `n` completions: the scripted ones, repeated in turn."""
 
     name = "scripted"
 
@@ -101,7 +111,11 @@ class ScriptedPolicy:
         self.prompts += len(prompts)
         out = []
         for prompt in prompts:
-            if len(prompt) == 2:  # the search: the question, then the steps so far
+            if prompt[0]["role"] == "system":  # the agent
+                domain = "math" if MATH_Q in prompt[1]["content"] else "code"
+                done = "<tool_response>" in prompt[-1]["content"]
+                texts = [(AGENT_ANSWER if done else AGENT_CALL)[domain]]
+            elif len(prompt) == 2:  # the search
                 assert prompt[0]["content"].strip() == MATH_Q
                 texts = SCRIPT[prompt[1]["content"].removeprefix(PREAMBLE)]
             else:
@@ -127,7 +141,7 @@ class ScriptedLLMResource(LLMResource):
 
 def _write_upstream(tmp_path, tiny_base) -> str:
     """The verified problems of batch b1 and this round's checkpoints; the policy's path."""
-    from rstar_pipelines.training.ppm import ProcessPreferenceModel
+    from rstar_pipelines.training.ppm import ppm_from_base
 
     math_ids = [*MATH_IDS, TRAIN[0]]  # the last is on the training side of the split
     code_ids = [CODE_ID, TRAIN[1]]
@@ -135,7 +149,14 @@ def _write_upstream(tmp_path, tiny_base) -> str:
     for domain, ids, text in (("math", math_ids, MATH_Q), ("code", code_ids, CODE_Q)):
         for i in ids:
             problems.append(
-                {"id": i, "batch": "b1", "domain": domain, "problem": text, "is_seed": True}
+                {
+                    "id": i,
+                    "batch": "b1",
+                    "domain": domain,
+                    "problem": text,
+                    "is_seed": True,
+                    "seed_id": i,
+                }
             )
             verified.append(
                 {
@@ -158,11 +179,53 @@ def _write_upstream(tmp_path, tiny_base) -> str:
         lake / "verified_outputs" / "b1.parquet",
     )
     policy = str(tmp_path / "policy")  # the scripted resource answers for any path
-    ppm = ProcessPreferenceModel.from_base(tiny_base).save(tmp_path / "ppm")
-    for key, path in (("policy_checkpoint", policy), ("ppm_checkpoint", str(ppm))):
+    ppm = ppm_from_base(tiny_base).save(tmp_path / "ppm")
+    grpo = str(tmp_path / "grpo")
+    for key, path in (
+        ("policy_checkpoint", policy),
+        ("ppm_checkpoint", str(ppm)),
+        ("grpo_roc_checkpoint", grpo),
+    ):
         row = {"id": key, "job": key, "round": 1, "path": path, "base_model": tiny_base}
         write_table(pa.Table.from_pylist([row], schema=schemas.CHECKPOINT), lake / f"{key}.parquet")
+    write_table(
+        pa.Table.from_pylist(GATE_ROWS, schema=schemas.ATTN_GATE_EVAL),
+        lake / "attn_gate_eval.parquet",
+    )
     return policy
+
+
+def _gate_answer(problem_id: str, correct: bool) -> dict:
+    return {
+        "problem_id": problem_id,
+        "batch": "b1",
+        "answer": "5" if correct else None,
+        "correct": correct,
+        "same_as_dense": True,
+        "tokens": 30,
+        "seconds": 0.5,
+    }
+
+
+# attn_gate_eval, as tests/training/test_gate_assets.py makes it (here written by hand): dense and
+# one budget, each right on the first held-out math problem only.
+GATE_ROWS = [
+    {
+        "setting": setting,
+        "token_budget": budget,
+        "texts": 1,
+        "decode_steps": 40,
+        "kl": kl,
+        "top1_agreement": agreement,
+        "math_problems": 2,
+        "answer_accuracy": 0.5,
+        "answer_agreement_with_dense": 1.0,
+        "answers": [_gate_answer(MATH_IDS[0], True), _gate_answer(MATH_IDS[1], False)],
+        "gates": "gates",
+        "base_model": "tiny",
+    }
+    for setting, budget, kl, agreement in (("dense", None, None, None), ("budget 32", 32, 0.1, 0.9))
+]
 
 
 @pytest.fixture
@@ -175,13 +238,14 @@ def evaluation(tmp_path, tiny_base):
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     policy = _write_upstream(tmp_path, tiny_base)
-    return defs, resources, ScriptedLLMResource().model_id(policy)
+    resource = ScriptedLLMResource()
+    return defs, resources, resource.model_id(policy), resource.model_id(str(tmp_path / "grpo"))
 
 
 def _materialize(defs, resources, instance):
     result = dg.materialize(
         list(defs.assets),
-        selection=["mcts_eval", "dser_eval", "eval_comparison"],
+        selection=["mcts_eval", "dser_eval", "grpo_eval", "eval_comparison"],
         instance=instance,
         resources=resources,
     )
@@ -189,7 +253,12 @@ def _materialize(defs, resources, instance):
     return {k: query(f"select * from {k} order by {order}").to_pylist() for k, order in ORDER}
 
 
-ORDER = (("mcts_eval", "problem_id"), ("dser_eval", "problem_id"), ("eval_comparison", "method"))
+ORDER = (
+    ("mcts_eval", "problem_id"),
+    ("dser_eval", "problem_id"),
+    ("grpo_eval", "method, problem_id"),
+    ("eval_comparison", "checkpoint, method"),
+)
 
 
 def _metadata(instance, key):
@@ -197,15 +266,15 @@ def _metadata(instance, key):
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
-def test_three_evaluations_and_their_comparison(evaluation):
-    defs, resources, policy = evaluation
+def test_the_evaluations_and_their_comparison(evaluation):
+    defs, resources, policy, grpo = evaluation
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         first = _materialize(defs, resources, instance)
         calls = POLICY.prompts
 
-        # mcts_eval: the two held-out math problems. Greedy (one sample, depth 2) writes
-        # A, then D, whose depth ends the branch without an answer.
+        # mcts_eval: the two held-out math problems. Greedy (one sample, two steps) writes
+        # A, then D, and its steps are spent before an answer.
         mcts = first["mcts_eval"]
         assert sorted(r["problem_id"] for r in mcts) == sorted(MATH_IDS)
         for r in mcts:
@@ -214,6 +283,25 @@ def test_three_evaluations_and_their_comparison(evaluation):
             assert r["search_tokens"] > r["greedy_tokens"]
             assert r["greedy_seconds"] > 0 and r["search_seconds"] > 0
             assert r["policy"] == policy
+            # The PPM valued every answer the search found; the gold answer scored the picks.
+            assert r["answers_valued_by_ppm"] == r["search_answers"] > 0
+            assert r["best_q_correct"] == (r["best_q_answer"] == "5")
+        eval_md = _metadata(instance, "mcts_eval")
+        assert eval_md["gold_answer_in_search"] is False
+        assert eval_md["search_ppm_calls"] > 0
+
+        # grpo_eval: one turn ends on the tool call, unanswered; with the tool, the answer
+        # follows the tool's response, on the math and the code problem alike.
+        tool_eval = first["grpo_eval"]
+        assert [(r["method"], r["correct"], r["tool_calls"]) for r in tool_eval] == [
+            ("greedy", False, 0),
+            ("greedy", False, 0),
+            ("greedy", False, 0),
+            ("tool", True, 1),
+            ("tool", True, 1),
+            ("tool", True, 1),
+        ]
+        assert {r["policy"] for r in tool_eval} == {grpo}
 
         # dser_eval: the two math problems and the held-out code problem.
         dser = {r["problem_id"]: r for r in first["dser_eval"]}
@@ -262,29 +350,49 @@ def test_three_evaluations_and_their_comparison(evaluation):
         )
         assert math_line.split(" | ")[1:6] == ["2", "1.000", "0.500", "0.750", "0.667"]
 
-        # eval_comparison: the four methods on the two shared math problems. The vote
-        # over 4 samples (WRONG, RIGHT, WRONG, RIGHT) ties, and the first class (6) wins.
-        compared = {r["method"]: r for r in first["eval_comparison"]}
-        assert set(compared) == {"greedy", "mcts_best_q", "majority_of_4", "dser"}
-        assert all(r["problems"] == 2 and r["policy"] == policy for r in compared.values())
+        # eval_comparison: every checkpoint and method on the two shared math problems. The
+        # vote over 4 samples (WRONG, RIGHT, WRONG, RIGHT) ties, and the first class (6) wins.
+        compared = {(r["checkpoint"], r["method"]): r for r in first["eval_comparison"]}
+        assert set(compared) == {
+            ("policy", "greedy"),
+            ("policy", "majority_of_4"),
+            ("policy", "dser"),
+            ("policy+ppm", "mcts_best_q"),
+            ("policy+ppm", "mcts_majority"),
+            ("grpo_roc", "greedy"),
+            ("grpo_roc", "tool"),
+            ("attn_gates", "dense"),
+            ("attn_gates", "budget_32"),
+        }
+        assert all(r["problems"] == 2 for r in compared.values())
+        assert {r["model"] for k, r in compared.items() if k[0].startswith("policy")} == {policy}
         mean = lambda column: sum(r[column] for r in mcts) / 2  # noqa: E731
-        assert (compared["greedy"]["accuracy"], compared["dser"]["accuracy"]) == (0.0, 1.0)
-        assert compared["greedy"]["tokens_per_problem"] == _tokens(A) + _tokens(D)
-        assert compared["greedy"]["seconds_per_problem"] == pytest.approx(mean("greedy_seconds"))
-        assert compared["mcts_best_q"]["accuracy"] == mean("best_q_correct")
-        assert compared["mcts_best_q"]["tokens_per_problem"] == mean("search_tokens")
-        assert compared["majority_of_4"]["accuracy"] == 0.0
-        assert compared["majority_of_4"]["tokens_per_problem"] == 2 * (
-            _tokens(WRONG) + _tokens(RIGHT)
-        )
-        assert compared["majority_of_4"]["seconds_per_problem"] > 0
-        assert compared["dser"]["tokens_per_problem"] == math["tokens"]
-        assert compared["dser"]["seconds_per_problem"] == pytest.approx(
+        greedy, dser_row = compared["policy", "greedy"], compared["policy", "dser"]
+        assert (greedy["accuracy"], dser_row["accuracy"]) == (0.0, 1.0)
+        assert greedy["tokens_per_problem"] == _tokens(A) + _tokens(D)
+        assert greedy["seconds_per_problem"] == pytest.approx(mean("greedy_seconds"))
+        best_q = compared["policy+ppm", "mcts_best_q"]
+        assert best_q["accuracy"] == mean("best_q_correct")
+        assert best_q["tokens_per_problem"] == mean("search_tokens")
+        majority = compared["policy", "majority_of_4"]
+        assert majority["accuracy"] == 0.0
+        assert majority["tokens_per_problem"] == 2 * (_tokens(WRONG) + _tokens(RIGHT))
+        assert majority["seconds_per_problem"] > 0
+        assert dser_row["tokens_per_problem"] == math["tokens"]
+        assert dser_row["seconds_per_problem"] == pytest.approx(
             sum(dser[i]["seconds"] for i in MATH_IDS) / 2
         )
+        tool = compared["grpo_roc", "tool"]
+        assert (compared["grpo_roc", "greedy"]["accuracy"], tool["accuracy"]) == (0.0, 1.0)
+        assert tool["tokens_per_problem"] == _tokens(AGENT_CALL["math"]) + _tokens(
+            AGENT_ANSWER["math"]
+        )
+        assert tool["model"] == grpo
+        gates = compared["attn_gates", "budget_32"]
+        assert (gates["accuracy"], gates["tokens_per_problem"]) == (0.5, 30)
         comparison_md = _metadata(instance, "eval_comparison")
         table = comparison_md["comparison"].splitlines()
-        assert len(table) == 2 + 4 and "| majority_of_4 | 2 | 0.000 |" in table[4]
+        assert len(table) == 2 + 9 and "| policy | majority_of_4 | 2 | 0.000 |" in table[3]
         assert comparison_md["accuracy_vs_tokens"].startswith("![accuracy against tokens")
 
         # Again: every result comes from the item caches, seconds included.
@@ -302,7 +410,10 @@ def _context(tmp_path, resources) -> StageContext:
 def test_no_heldout_problem_is_a_clear_error(tmp_path):
     spec = load_spec(REPO / "assets" / "pipeline.yaml")
     stage = spec.by_key["dser_eval"].stage()
-    problems = [{"id": i, "batch": "b1", "domain": "math", "problem": MATH_Q} for i in TRAIN[:3]]
+    problems = [
+        {"id": i, "batch": "b1", "domain": "math", "problem": MATH_Q, "seed_id": i}
+        for i in TRAIN[:3]
+    ]
     verified = [
         {"problem_id": i, "batch": "b1", "domain": "math", "verified": True, "answer": "5"}
         for i in TRAIN[:3]
@@ -312,7 +423,7 @@ def test_no_heldout_problem_is_a_clear_error(tmp_path):
         "verified_outputs": pa.Table.from_pylist(verified),
         "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
     }
-    with pytest.raises(StageInputError, match="no verified problem falls in the held-out split"):
+    with pytest.raises(StageInputError, match="no verified problem .* falls in the held-out split"):
         stage.run(_context(tmp_path, {"llm": ScriptedLLMResource()}), inputs)
 
 

@@ -6,24 +6,21 @@ from __future__ import annotations
 
 import math
 
-import pytest
-
 from rstar_pipelines.llm import Completion
 from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
 from rstar_pipelines.math.tree import tree_from_rows
-from rstar_sandbox import Sandbox
 
 PREFIX = "Question: What is 2 + 3?\n"
-A = "<code>\n# Step 1: add the two numbers\nx = 2 + 3" + STEP_END
-B = "<code>\n# Step 1: multiply them instead\nx = 2 * 3" + STEP_END
-C = "<code>\nprint(1 / 0)" + CODE_END
-D = "\nprint(x)" + CODE_END
-E = "\nprint(z)" + CODE_END
+A = "<code>\n# Step 1: add the two numbers\nx = 2 + 3\n" + STEP_END
+B = "<code>\n# Step 1: multiply them instead\nx = 2 * 3\n" + STEP_END
+C = "<code>\nprint(1 / 0)\n" + CODE_END
+D = "\nprint(x)\n" + CODE_END
+E = "\nprint(z)\n" + CODE_END
 F = "\n<answer>The answer is \\boxed{5}" + ANSWER_END
-H = "\n# Step 2: make sure it is positive\nassert x > 0" + STEP_END
-K = "\nprint(x - 1)" + CODE_END
+H = "\n# Step 2: make sure it is positive\nassert x > 0\n" + STEP_END
+K = "\nprint(x - 1)\n" + CODE_END
 OUT5 = "\n<output>5<end_of_output>"
 OUT6 = "\n<output>6<end_of_output>"
 
@@ -47,20 +44,18 @@ def _completion(step: str) -> Completion:
 
 
 class ScriptedPolicy:
+    """Writes `script[steps so far]` (default: the golden tree's) after the question."""
+
     name = "scripted"
 
-    def __init__(self):
+    def __init__(self, script: dict[str, list[str]] | None = None, prefix: str = PREFIX):
+        self.script = SCRIPT if script is None else script
+        self.prefix = prefix
         self.batches: list[int] = []
 
     def generate(self, prompts, params):
         self.batches.append(len(prompts))
-        return [[_completion(s) for s in SCRIPT[p.removeprefix(PREFIX)]] for p in prompts]
-
-
-@pytest.fixture(scope="module")
-def sandbox():
-    with Sandbox(backend="process", workers=2) as sb:
-        yield sb
+        return [[_completion(s) for s in self.script[p.removeprefix(self.prefix)]] for p in prompts]
 
 
 PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
@@ -263,13 +258,23 @@ def test_failure_terminals_do_not_propagate(sandbox):
     assert (tree.root.visits, tree.root.q) == (1, 1.0)
 
 
-def test_too_many_steps_and_error_rules(sandbox):
-    # max_depth 1: a code step at depth 1 is a TOO_MANY_STEPS terminal.
-    config = MCTSConfig(rollouts=1, width=3, max_depth=1, errors_threshold=1)
+def test_too_many_steps(sandbox):
+    # max_depth 1: a rollout takes one step. Rollout 1 expands the root and moves to 0.1,
+    # which stays unexpanded; rollout 2 moves to 0.1 for free and expands it: its children
+    # are at depth 2, beyond max_depth, so the code step D is a TOO_MANY_STEPS terminal (E,
+    # a code error, is one of those first).
+    config = MCTSConfig(rollouts=2, width=3, max_depth=1, errors_threshold=1)
     tree = search([PROBLEM], ScriptedPolicy(), sandbox, config, prompt=PROMPT)[0]
-    kinds = [r["kind"] for r in tree.nodes.to_pylist()]
-    assert kinds == ["root", "TOO_MANY_STEPS", "TOO_MANY_STEPS", "TOO_MANY_CODE_ERRORS"]
-    assert tree.root.terminal
+    kinds = {r["node_id"]: r["kind"] for r in tree.nodes.to_pylist()}
+    assert kinds == {
+        "0": "root",
+        "0.1": "code",
+        "0.1.1": "TOO_MANY_STEPS",
+        "0.1.2": "TOO_MANY_CODE_ERRORS",
+        "0.2": "code",
+        "0.3": "TOO_MANY_CODE_ERRORS",
+    }
+    assert tree.rollout_paths == [["0"], ["0.1"]]
 
 
 def test_many_trees_share_batches(sandbox):

@@ -15,12 +15,12 @@ from rstar_pipelines import settings
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.llm import load_llm
 from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.materialize import run_waves
 from rstar_pipelines.math.steps import PREAMBLE
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
-from rstar_pipelines.training.ppm import ProcessPreferenceModel
 from tests.conftest import REPO
 from tests.math.test_mcts import SCRIPT, _completion
 
@@ -133,11 +133,13 @@ def test_two_self_evolution_rounds(two_rounds):
         "verified_solutions",
     }
     # The SeerAttention-R gates are another branch, tested in tests/training/test_gate_assets.py.
-    skipped |= {"gate_distill_data", "attn_gate_checkpoint"}
+    skipped |= {"gate_distill_data", "attn_gate_checkpoint", "attn_gate_eval"}
     # DSER and the comparison of the methods: tested in tests/dser/test_eval_assets.py.
     skipped |= {"dser_eval", "eval_comparison", "dser_eval_r2", "eval_comparison_r2"}
-    # GRPO-RoC from the policy checkpoints: tested in tests/training/test_grpo.py.
-    skipped |= {"grpo_roc_checkpoint", "grpo_roc_checkpoint_r2"}
+    # GRPO-RoC from the policy checkpoints: tested in tests/training/test_grpo.py and (its
+    # evaluation) tests/dser/test_eval_assets.py.
+    skipped |= {"grpo_roc_data", "grpo_roc_checkpoint", "grpo_roc_checkpoint_r2"}
+    skipped |= {"grpo_eval", "grpo_eval_r2"}
     # Round 2 is searched (with round 1's checkpoints) but not trained on.
     skipped |= {
         "ppm_pairs_r2",
@@ -201,7 +203,7 @@ def test_two_self_evolution_rounds(two_rounds):
 
         # The evaluation of round 1's policy and PPM on the held-out problems.
         evaluated = query("select * from mcts_eval").to_pylist()
-        assert len(evaluated) == min(4, 8 - trees)
+        assert len(evaluated) == min(spec.by_key["mcts_eval"].params.max_problems, 8 - trees)
         assert all(r["best_q_correct"] == (r["best_q_answer"] == "5") for r in evaluated)
         eval_md = instance.get_latest_materialization_event(dg.AssetKey("mcts_eval"))
         assert "accuracy_greedy" in eval_md.asset_materialization.metadata

@@ -157,7 +157,10 @@ def test_rounds_repeat_the_per_round_assets(tmp_path):
         "policy_checkpoint_r2": "previous_policy_checkpoint",
         "ppm_checkpoint_r2": "previous_ppm_checkpoint",
     }
-    assert spec.by_key["ppm_pairs_r3"].input_names == {"mcts_nodes_r3": "mcts_nodes"}
+    assert spec.by_key["ppm_pairs_r3"].input_names == {
+        "mcts_nodes_r3": "mcts_nodes",
+        "synthesized_problems": "synthesized_problems",
+    }
     # later_rounds overrides params from round 2 on, nested mappings key by key.
     first, later = spec.by_key["mcts_trajectories"].params, third.params
     assert (first.round, first.prompt, first.search.errors_threshold) == (1, "bootstrap", 2)
@@ -175,3 +178,26 @@ def test_bad_round_declarations(tmp_path):
         _load(tmp_path, doc)
     with pytest.raises(PipelineSpecError, match="field 'rounds'"):
         _load(tmp_path, _rounds(0))
+
+
+def test_the_heldout_split_is_declared_once(tmp_path):
+    text = settings.pipeline_file().read_text()
+    spec = _load(tmp_path, text)
+    split = spec.by_key["mcts_eval"].params.heldout
+    assert split == spec.by_key["sft_dataset"].params.heldout
+    assert split == spec.by_key["grpo_eval"].params.heldout
+    other = _load(tmp_path, text.replace("salt: rstar-heldout-1", "salt: another-draw"))
+    assert other.by_key["mcts_eval"].params.heldout.salt == "another-draw"
+    # The split is part of every reader's code version: a new draw marks them stale.
+    assert other.by_key["mcts_eval"].code_version != spec.by_key["mcts_eval"].code_version
+    assert (
+        other.by_key["candidate_solutions"].code_version
+        == spec.by_key["candidate_solutions"].code_version
+    )
+    own = text.replace("      top_answers: 4", "      top_answers: 4\n      heldout_fraction: 0.5")
+    with pytest.raises(
+        PipelineSpecError, match="mcts_eval.*params.heldout_fraction.*declared once"
+    ):
+        _load(tmp_path, own)
+    with pytest.raises(PipelineSpecError, match="heldout.fraction"):
+        _load(tmp_path, text.replace("fraction: 0.2", "fraction: 1.5"))

@@ -29,68 +29,98 @@ def _solution(i: int) -> str:
     return f"{steps} The answer is {i + 11}."
 
 
+SPLIT = load_spec(REPO / "assets" / "pipeline.yaml").by_key["gate_distill_data"].params.heldout
+IDS = [f"p{i}" for i in range(40)]
+TRAIN = [i for i in IDS if not SPLIT.is_heldout(i)]
+HELDOUT = [i for i in IDS if SPLIT.is_heldout(i)]
+
+
+def _solution_row(i: int, problem_id: str, batch: str) -> dict:
+    return {
+        "id": f"v{i}",
+        "problem_id": problem_id,
+        "candidate_id": f"c{i}",
+        "batch": batch,
+        "domain": "math",
+        "problem": f"What is {i} + 11?",
+        "solution": _solution(i),
+        "program": None,
+        "answer": str(i + 11),
+        "messages": [
+            {"role": "user", "content": f"What is {i} + 11?"},
+            {"role": "assistant", "content": _solution(i)},
+        ],
+        "verification_info": None,
+        "agreement": 1.0,
+        "label_source": "given",
+        "cpu_s": 0.0,
+        "model": "m",
+    }
+
+
+def _problem(problem_id: str, batch: str, domain: str, text: str, oracle: list[str]) -> dict:
+    return {
+        "id": problem_id,
+        "batch": batch,
+        "domain": domain,
+        "problem": text,
+        "answer": None,
+        "oracle_solutions": oracle,
+        "examples": [],
+        "time_limit_s": None,
+        "is_seed": True,
+        "seed_id": problem_id,
+        "model": None,
+    }
+
+
 def _write_upstream(batch: str) -> None:
-    solutions = [
+    """Five verified solutions and a code seed on the training side; on the held-out side one
+    verified solution (its problem verified too, with its answer) and a code seed."""
+    solved = [*TRAIN[:5], HELDOUT[0]]
+    solutions = [_solution_row(i, pid, batch) for i, pid in enumerate(solved)]
+    problems = [
+        _problem(pid, batch, "math", f"What is {i} + 11?", []) for i, pid in enumerate(solved)
+    ]
+    for pid, n in ((TRAIN[5], 3), (HELDOUT[1], 4)):
+        oracle = [f"print(sum(range(1, {n + 1})))\n", "print(6)"]
+        problems.append(_problem(pid, batch, "code", f"Print the sum of 1 to {n}.", oracle))
+    verified = [
         {
-            "id": f"v{i}",
-            "problem_id": f"p{i}",
-            "candidate_id": f"c{i}",
+            "problem_id": HELDOUT[0],
             "batch": batch,
             "domain": "math",
-            "problem": f"What is {i} + 11?",
-            "solution": _solution(i),
-            "program": None,
-            "answer": str(i + 11),
-            "messages": [
-                {"role": "user", "content": f"What is {i} + 11?"},
-                {"role": "assistant", "content": _solution(i)},
-            ],
-            "verification_info": None,
-            "agreement": 1.0,
+            "verified": True,
             "label_source": "given",
-            "cpu_s": 0.0,
-            "model": "m",
+            "answer": "16",
+            "inputs": [],
+            "labels": [],
+            "candidates": [],
         }
-        for i in range(5)
-    ]
-    seeds = [
-        {
-            "id": f"s{i}",
-            "batch": batch,
-            "domain": domain,
-            "problem": f"Print the sum of the numbers 1 to {i + 3}.",
-            "answer": None,
-            "oracle_solutions": oracle,
-            "examples": [],
-            "time_limit_s": None,
-            "source_file": "demo.jsonl",
-            "source_line": i,
-        }
-        for i, (domain, oracle) in enumerate(
-            [("code", ["print(sum(range(1, 4)))\n", "print(6)"]), ("math", [])]
-        )
     ]
     lake = settings.lake_dir()
-    write_table(
-        pa.Table.from_pylist(solutions, schema=schemas.VERIFIED_SOLUTIONS),
-        lake / "verified_solutions" / f"{batch}.parquet",
-    )
-    write_table(
-        pa.Table.from_pylist(seeds, schema=schemas.SEED_PROBLEMS),
-        lake / "seed_problems" / f"{batch}.parquet",
-    )
+    for key, rows, schema in (
+        ("verified_solutions", solutions, schemas.VERIFIED_SOLUTIONS),
+        ("synthesized_problems", problems, schemas.SYNTHESIZED_PROBLEMS),
+        ("verified_outputs", verified, schemas.VERIFIED_OUTPUTS),
+    ):
+        write_table(pa.Table.from_pylist(rows, schema=schema), lake / key / f"{batch}.parquet")
 
 
-def test_gate_checkpoint_trains_and_reloads(tmp_path, tiny_base):
+def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
     text = (REPO / "assets" / "pipeline.yaml").read_text()
     text = text.replace("  policy: null", f"  policy: {tiny_base}")
     assert "      train:\n        steps: 30\n" in text
     text = text.replace("      train:\n        steps: 30\n", "      train:\n        steps: 12\n")
     text = text.replace(
-        "    upstream: [verified_solutions, seed_problems]\n",
-        "    upstream: [verified_solutions, seed_problems]\n    params:\n"
+        "    upstream: [verified_solutions, synthesized_problems]\n",
+        "    upstream: [verified_solutions, synthesized_problems]\n    params:\n"
         "      text_file: extra/texts.jsonl\n",
     )
+    # One budget of a single block, one covering every text.
+    assert "      budgets: [32, 64]\n" in text
+    text = text.replace("      budgets: [32, 64]\n", "      budgets: [16, 4096]\n")
+    text = text.replace("      answer_tokens: 96\n", "      answer_tokens: 20\n")
     path = tmp_path / "pipeline.yaml"
     path.write_text(text)
     spec = load_spec(path)
@@ -104,17 +134,21 @@ def test_gate_checkpoint_trains_and_reloads(tmp_path, tiny_base):
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         result = dg.materialize(
             list(defs.assets),
-            selection=["gate_distill_data", "attn_gate_checkpoint"],
+            selection=["gate_distill_data", "attn_gate_checkpoint", "attn_gate_eval"],
             instance=instance,
             resources=dict(defs.resources),
         )
         assert result.success
+        [check] = result.get_asset_check_evaluations()
+        assert (check.check_name, check.passed) == ("no_heldout_problems", True)
+        assert check.metadata["rows_without_a_problem"].value == 1  # the file's text
         event = instance.get_latest_materialization_event(dg.AssetKey("attn_gate_checkpoint"))
         assert "loss_curve" in event.asset_materialization.metadata
 
+    # The training side only: the held-out solution and code seed are left out.
     data = query("select id, source, text, messages from gate_distill_data order by id").to_pylist()
     assert [(r["id"], r["source"]) for r in data] == [
-        ("s0:oracle", "seed_problems"),  # the code seed's first oracle solution
+        (f"{TRAIN[5]}:oracle", "seed_problems"),  # the code seed's first oracle solution
         ("texts.jsonl:1", "file"),
         *[(f"v{i}", "verified_solutions") for i in range(5)],
     ]
@@ -137,6 +171,21 @@ def test_gate_checkpoint_trains_and_reloads(tmp_path, tiny_base):
     assert metrics["job"] == "gate" and len(metrics["losses"]) == 12
     assert metrics["skipped_short"] == 0
     assert metrics["losses"][-1] == row["final_loss"]
+
+    # The evaluation, on the held-out texts (the solution and the code seed) and problem.
+    evaluated = {r["setting"]: r for r in query("select * from attn_gate_eval").to_pylist()}
+    assert set(evaluated) == {"dense", "budget 16", "budget 4096"}
+    assert all(r["texts"] == 2 and r["math_problems"] == 1 for r in evaluated.values())
+    assert all(r["gates"] == row["path"] for r in evaluated.values())
+    dense, small, covering = (evaluated[k] for k in ("dense", "budget 16", "budget 4096"))
+    assert dense["kl"] is None and dense["decode_steps"] == small["decode_steps"] > 16
+    # A budget that covers every text is dense decoding; one block is not.
+    assert covering["kl"] == pytest.approx(0.0, abs=1e-5) and covering["top1_agreement"] == 1.0
+    same = [(a["answer"], a["tokens"], a["same_as_dense"]) for a in covering["answers"]]
+    assert same == [(a["answer"], a["tokens"], True) for a in dense["answers"]]
+    assert covering["answer_agreement_with_dense"] == 1.0
+    assert small["kl"] > 1e-4
+    assert [a["problem_id"] for a in small["answers"]] == [HELDOUT[0]]
 
 
 def test_settings_mirror_the_kernel_config():

@@ -19,7 +19,6 @@ from rstar_pipelines import settings
 from rstar_pipelines.agent.reward import AgentProblem
 from rstar_pipelines.agent.rollout import RolloutConfig, ToolCall, Trajectory
 from rstar_pipelines.definitions import build_definitions, load_spec
-from rstar_pipelines.math.search_stages import is_heldout
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
@@ -305,19 +304,26 @@ def test_grpo_job_refuses_bad_input_before_loading(tiny_base, tmp_path):
 
 # -- (d) grpo_roc_checkpoint through Dagster ---------------------------------------------
 
+SPLIT = load_spec(REPO / "assets" / "pipeline.yaml").by_key["grpo_roc_data"].params.heldout
 IDS = [f"p{i}" for i in range(40)]
-TRAIN = [i for i in IDS if not is_heldout(i, 0.2)]
-HELDOUT = [i for i in IDS if is_heldout(i, 0.2)]
+TRAIN = [i for i in IDS if not SPLIT.is_heldout(i)]
+HELDOUT = [i for i in IDS if SPLIT.is_heldout(i)]
+# A problem synthesized from a held-out seed: held out too, whatever its own id.
+OFFSPRING = TRAIN[10]
 
 
 def _write_upstream(tiny_base: str) -> None:
-    math_ids = [HELDOUT[0], *TRAIN[:3]]  # one held out; max_problems 2 keeps two of the rest
+    # One held out and one held out by its seed; max_problems 2 keeps two of the rest.
+    math_ids = [HELDOUT[0], OFFSPRING, *TRAIN[:3]]
     code_ids = [TRAIN[3]]
     problems, verified = [], []
     for domain, ids in (("math", math_ids), ("code", code_ids)):
         for i in ids:
             text = f"What is {IDS.index(i)} + 1?" if domain == "math" else CODE_Q
-            problems.append({"id": i, "batch": "b1", "domain": domain, "problem": text})
+            seed = HELDOUT[1] if i == OFFSPRING else i
+            problems.append(
+                {"id": i, "batch": "b1", "domain": domain, "problem": text, "seed_id": seed}
+            )
             verified.append(
                 {
                     "problem_id": i,
@@ -355,11 +361,13 @@ def test_grpo_roc_checkpoint_asset(tiny_base, monkeypatch):
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         result = dg.materialize(
             list(defs.assets),
-            selection=["grpo_roc_checkpoint"],
+            selection=["grpo_roc_data", "grpo_roc_checkpoint"],
             instance=instance,
             resources=dict(defs.resources),
         )
         assert result.success
+        [check] = result.get_asset_check_evaluations()
+        assert (check.check_name, check.passed) == ("no_heldout_problems", True)
         event = instance.get_latest_materialization_event(dg.AssetKey("grpo_roc_checkpoint"))
         metadata = {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
@@ -377,6 +385,7 @@ def test_grpo_roc_checkpoint_asset(tiny_base, monkeypatch):
     assert config["train"]["group_size"] == 2 and config["train"]["rollout"]["max_turns"] == 2
 
     data = pq.read_table(Path(row["path"]) / "train_data.parquet").to_pylist()
+    assert data == query("select * from grpo_roc_data").to_pylist()
     assert [(r["id"], r["domain"]) for r in data] == [
         (TRAIN[0], "math"),
         (TRAIN[1], "math"),

@@ -11,6 +11,7 @@ from rstar_pipelines.math.steps import STEP_END, TAGS
 from rstar_pipelines.training.ppm import (
     PPMTrainConfig,
     ProcessPreferenceModel,
+    ppm_from_base,
     ppm_input,
     split_heldout,
     train_ppm,
@@ -34,7 +35,7 @@ def separable_pairs(count: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(tiny_base):
     torch.manual_seed(0)  # the new head and the tags' embeddings are drawn at random
-    ppm = ProcessPreferenceModel.from_base(tiny_base)
+    ppm = ppm_from_base(tiny_base)
     config = PPMTrainConfig(lr=3e-3, epochs=6, batch_size=4, heldout_fraction=0.2, seed=1)
     logged: list[str] = []
     metrics = train_ppm(ppm, separable_pairs(20), config, log=logged.append)

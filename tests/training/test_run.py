@@ -10,8 +10,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.math.steps import TAGS
-from rstar_pipelines.training.ppm import ProcessPreferenceModel
 from tests.training.test_ppm import separable_pairs
 
 
