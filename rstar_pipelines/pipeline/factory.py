@@ -8,6 +8,8 @@ needs in the UI (row counts, column schema, a preview, the stage's own figures).
 
 from __future__ import annotations
 
+import operator
+from functools import reduce
 from typing import Any
 
 import dagster as dg
@@ -22,19 +24,86 @@ PREVIEW_ROWS = 5
 PREVIEW_CHARS = 80
 
 
-def automation_condition(asset: DeclaredAsset) -> dg.AutomationCondition | None:
-    mode = asset.decl.automation or ("eager" if asset.decl.upstream else "none")
-    if mode == "none":
+def _automated(asset: DeclaredAsset) -> bool:
+    return (asset.decl.automation or ("eager" if asset.decl.upstream else "none")) != "none"
+
+
+def _pending(upstream: DeclaredAsset, asset: DeclaredAsset) -> dg.AutomationCondition:
+    """True where `upstream`, an ancestor of `asset`, is still to bring itself up to date:
+    it is running, or (when it is partitioned differently, so it cannot share a run with
+    `asset`) one of its parents updated since the last tick and it did not, so it is
+    about to be requested on its own. (Dagster's will_be_requested does not see requests
+    that go into another run.) An ancestor that waits for its own upstream waits for one
+    of these, an ancestor of `asset` too: checking every ancestor covers it."""
+    A = dg.AutomationCondition
+    pending = A.in_progress()
+    if _automated(upstream) and upstream.partitioned != asset.partitioned:
+        pending = pending | (A.any_deps_match(A.newly_updated()) & ~A.newly_updated())
+    return pending
+
+
+def _ancestors(asset: DeclaredAsset, spec: PipelineSpec) -> list[DeclaredAsset]:
+    found: dict[str, DeclaredAsset] = {}
+    todo = list(asset.decl.upstream)
+    while todo:
+        producer = spec.producer_of(todo.pop())
+        if producer.key not in found:
+            found[producer.key] = producer
+            todo += producer.decl.upstream
+    return list(found.values())
+
+
+def upstream_still_updating(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AutomationCondition:
+    """True while any ancestor of `asset` is still to update (see _pending). Without it an
+    asset fed by an early and a late stage of one change (dser_eval reads verified_outputs
+    and, four stages later, policy_checkpoint) runs as soon as the early one updates, and
+    again when the late one does.
+
+    Every ancestor is visited once, along a breadth-first tree of the lineage: each
+    level is `any_deps_match(...)` allowed to one dependency only, so the condition grows
+    with the number of ancestors, not with the number of paths to them."""
+    children: dict[str, list[str]] = {}
+    seen = {asset.key}
+    frontier = [asset.key]
+    while frontier:
+        following = []
+        for key in frontier:
+            children[key] = []
+            for up in spec.producer_of(key).decl.upstream:
+                if up not in seen:
+                    seen.add(up)
+                    children[key].append(up)
+                    following.append(up)
+        frontier = following
+
+    def below(key: str) -> list[dg.AutomationCondition]:
+        return [
+            dg.AutomationCondition.any_deps_match(
+                reduce(operator.or_, [_pending(spec.producer_of(up), asset), *below(up)])
+            )
+            .allow(dg.AssetSelection.assets(up))
+            .with_label(f"{up} still to update")
+            for up in children[key]
+        ]
+
+    return reduce(operator.or_, below(asset.key)).with_label("an upstream asset is still to update")
+
+
+def automation_condition(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AutomationCondition | None:
+    if not _automated(asset):
         return None
-    if asset.partitioned:
+    if asset.partitioned and all(a.partitioned for a in _ancestors(asset, spec)):
+        # What eager requests for a batch on one tick goes into one run, in dependency
+        # order, and a running parent blocks its children (any_deps_in_progress).
         return dg.AutomationCondition.eager()
+    waits = ~upstream_still_updating(asset, spec)
+    if asset.partitioned:  # a later round's search reads the previous round's checkpoints
+        return (dg.AutomationCondition.eager() & waits).with_label("eager, after its upstream")
     # An aggregate over dynamic partitions must not wait for every batch to exist:
     # one new, unprocessed batch would otherwise block it forever.
     return (
-        dg.AutomationCondition.eager()
-        .without(~dg.AutomationCondition.any_deps_missing())
-        .with_label("eager, over the batches that exist")
-    )
+        dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing()) & waits
+    ).with_label("eager over the batches that exist, after its upstream")
 
 
 def _column_schema(schema: pa.Schema) -> dg.TableSchema:
@@ -99,7 +168,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         "group_name": decl.group,
         "code_version": asset.code_version,
         "kinds": set(stage_cls.kinds),
-        "automation_condition": automation_condition(asset),
+        "automation_condition": automation_condition(asset, spec),
         "is_required": False,  # needed for subsetting; the stage still yields every selected one
         "metadata": {
             "stage": decl.stage,
