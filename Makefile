@@ -37,6 +37,8 @@ dev: $(VENV)/.installed
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check rstar_pipelines sandbox kernels benchmarks tests
 	$(BIN)/ruff format --check rstar_pipelines sandbox kernels benchmarks tests
+	# The import contract of pyproject's [tool.importlinter]: the layers point one way.
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache

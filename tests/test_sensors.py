@@ -200,3 +200,18 @@ def test_automation_requests_each_asset_once_after_its_upstream(incoming):
         tick_of = {k.to_user_string(): t for k, (t,) in requested_at.items()}
         assert tick_of["dser_eval"] == tick_of["mcts_eval"] == tick_of["policy_checkpoint"]
         assert tick_of["ppm_pairs"] > tick_of["mcts_nodes"] == tick_of["synthesized_problems"]
+
+
+def test_the_daily_schedule_refreshes_only_aggregates_behind_their_upstream(incoming):
+    defs = build_definitions(load_spec())
+    schedule = defs.resolve_schedule_def("daily_aggregates")
+    with dg.instance_for_test() as instance:
+        graph = _demo_state(instance, defs, incoming)
+        context = dg.build_schedule_context(instance=instance)
+        assert isinstance(schedule.evaluate_tick(context).skip_message, str)
+
+        _report(instance, graph, dg.AssetKey("mcts_nodes"))
+        [request] = schedule.evaluate_tick(
+            dg.build_schedule_context(instance=instance)
+        ).run_requests
+        assert {k.to_user_string() for k in request.asset_selection} == {"ppm_pairs", "sft_dataset"}
