@@ -8,6 +8,7 @@ needs in the UI (row counts, column schema, a preview, the stage's own figures).
 
 from __future__ import annotations
 
+import math
 import operator
 from functools import reduce
 from typing import Any
@@ -17,11 +18,14 @@ import pyarrow as pa
 
 from rstar_pipelines import settings
 from rstar_pipelines.partitions import PARTITIONINGS
+from rstar_pipelines.pipeline import progress
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
+from rstar_pipelines.storage import schemas
 
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 80
+SIGNIFICANT = 4  # digits of the floats shown in the UI
 
 
 def _automated(asset: DeclaredAsset) -> bool:
@@ -107,7 +111,25 @@ def automation_condition(asset: DeclaredAsset, spec: PipelineSpec) -> dg.Automat
 
 
 def _column_schema(schema: pa.Schema) -> dg.TableSchema:
-    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in schema])
+    """The table's columns with their types and the descriptions of the data contracts."""
+    return dg.TableSchema(
+        columns=[
+            dg.TableColumn(f.name, str(f.type), description=schemas.description(f)) for f in schema
+        ]
+    )
+
+
+def rounded(value: Any) -> Any:
+    """Floats (also inside dicts and lists) to SIGNIFICANT significant digits, never
+    cutting the integer part: what the UI shows is read by people."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0:
+        digits = SIGNIFICANT - 1 - math.floor(math.log10(abs(value)))
+        return round(value, max(0, digits))
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
 
 
 def _preview(table: pa.Table) -> str:
@@ -131,7 +153,17 @@ def table_metadata(table: pa.Table) -> dict[str, Any]:
 
 def _metadata_values(metadata: dict[str, Any]) -> dict[str, Any]:
     return {
-        k: dg.MetadataValue.md(v) if isinstance(v, Markdown) else v for k, v in metadata.items()
+        k: dg.MetadataValue.md(v) if isinstance(v, Markdown) else rounded(v)
+        for k, v in metadata.items()
+    }
+
+
+def _headline(metadata: dict[str, Any]) -> dict[str, float]:
+    """The figures the console's end line shows: yields and rates."""
+    return {
+        k: v
+        for k, v in metadata.items()
+        if isinstance(v, float) and ("yield" in k or k.endswith("rate"))
     }
 
 
@@ -162,8 +194,10 @@ def _combine(value: Any, schema: pa.Schema) -> pa.Table:
 
 def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition:
     decl, stage_cls = asset.decl, asset.stage_cls
-    schemas = {decl.key: stage_cls.schema}
-    schemas.update({key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()})
+    schemas_of = {decl.key: stage_cls.schema}
+    schemas_of.update(
+        {key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()}
+    )
     common = {
         "group_name": decl.group,
         "code_version": asset.code_version,
@@ -202,15 +236,23 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         can_subset=True,
         check_specs=[
             dg.AssetCheckSpec(
-                c.name, asset=decl.key, description=c.description, blocking=c.blocking
+                c.name,
+                asset=decl.key,
+                description=c.description + (" (a warning: never fails the run)" if c.warn else ""),
+                blocking=c.blocking,
             )
             for c in stage_cls.checks
         ],
     )
     def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
         tables = {asset.input_names[k]: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
+        partition = context.partition_key if context.has_partition_key else None
+        with progress.step(decl.key, partition, context.log) as step:
+            yield from _run_stage(context, tables, partition, step)
+
+    def _run_stage(context, tables, partition, step):
         ctx = StageContext(
-            partition_key=context.partition_key if context.has_partition_key else None,
+            partition_key=partition,
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
@@ -229,7 +271,17 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         produced = {decl.key: result.table}
         produced.update({key: result.secondary.get(name) for name, key in decl.outputs.items()})
         for key, table in produced.items():
-            table = _check_schema(key, table, schemas[key])
+            _check_schema(key, table, schemas_of[key])
+        progress.finished(
+            step,
+            {
+                k: t.num_rows
+                for k, t in produced.items()
+                if dg.AssetKey(k) in context.selected_asset_keys
+            },
+            _headline(rounded(result.metadata)),
+        )
+        for key, table in produced.items():
             if dg.AssetKey(key) not in context.selected_asset_keys:
                 continue
             extra = _metadata_values(result.metadata) if key == decl.key else {}
@@ -246,6 +298,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
                 asset_key=decl.key,
                 check_name=spec.name,
                 passed=outcome.passed,
+                severity=dg.AssetCheckSeverity.WARN if spec.warn else dg.AssetCheckSeverity.ERROR,
                 metadata=_metadata_values(outcome.metadata),
             )
 

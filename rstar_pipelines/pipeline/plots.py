@@ -32,7 +32,9 @@ def histogram(
     xlabel: str,
     bins: int = 10,
     value_range: tuple[float, float] = (0.0, 1.0),
+    ylabel: str = "problems",
 ) -> Markdown:
+    """A histogram of `values`; `ylabel` says what each bar counts."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -42,7 +44,7 @@ def histogram(
     ax.hist(list(values), bins=bins, range=value_range, color="#4c72b0", edgecolor="white")
     ax.set_title(title)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("problems")
+    ax.set_ylabel(ylabel)
     return _png_markdown(fig, title)
 
 
