@@ -104,7 +104,7 @@ def seeds_add(path: Path, batch: str | None) -> None:
     name = add_seed_batch(path, batch)
     click.echo(
         f"added seed batch {name!r}; materialize it with:\n"
-        f"  dagster asset materialize --select seed_problems,seed_rejects --partition {name}"
+        f"  dg launch --assets seed_problems,seed_rejects --partition {name}"
     )
 
 

@@ -126,7 +126,8 @@ def test_gate_checkpoint_trains_and_reloads(tmp_path, tiny_base):
     assert (row["examples"], row["heldout_examples"]) == (6, 1)  # 7 texts, 20% held out
     assert (row["block_size"], row["gate_dim"], row["topk_blocks"]) == (16, 64, 4)
     assert math.isfinite(row["final_loss"])
-    assert 0 <= row["heldout_recall_before"] <= 1 and 0 <= row["heldout_recall_after"] <= 1
+    # Distillation raises the held-out recall of the fresh gates' top-k blocks.
+    assert row["heldout_recall_after"] > row["heldout_recall_before"]
     gates = SeerGates.load(row["path"])
     assert (gates.config.family, gates.config.num_layers, gates.config.base_model) == (
         "llama",
