@@ -215,3 +215,21 @@ def test_the_daily_schedule_refreshes_only_aggregates_behind_their_upstream(inco
             dg.build_schedule_context(instance=instance)
         ).run_requests
         assert {k.to_user_string() for k in request.asset_selection} == {"ppm_pairs", "sft_dataset"}
+
+
+def test_an_aggregate_waits_for_an_unpartitioned_upstream_that_was_never_materialized(incoming):
+    """dser_eval reads policy_checkpoint: with the batch verified but no policy trained yet,
+    it is not requested (it would fail); a missing batch does not block it."""
+    defs = build_definitions(load_spec())
+    graph = defs.resolve_asset_graph()
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("seed_batches", ["demo", "not_yet"])
+        for key in graph.toposorted_asset_keys:
+            if graph.get(key).partitions_def is not None:
+                _report(instance, graph, key)
+        cursor = dg.evaluate_automation_conditions(defs=defs, instance=instance).cursor
+        _report(instance, graph, dg.AssetKey("verified_outputs"))
+        result = dg.evaluate_automation_conditions(defs=defs, instance=instance, cursor=cursor)
+        assert result.get_num_requested(dg.AssetKey("mcts_trajectories")) == 1
+        assert result.get_num_requested(dg.AssetKey("dser_eval")) == 0
+        assert result.get_num_requested(dg.AssetKey("grpo_roc_checkpoint")) == 0

@@ -102,12 +102,18 @@ def automation_condition(asset: DeclaredAsset, spec: PipelineSpec) -> dg.Automat
         return dg.AutomationCondition.eager()
     waits = ~upstream_still_updating(asset, spec)
     if asset.partitioned:  # a later round's search reads the previous round's checkpoints
-        return (dg.AutomationCondition.eager() & waits).with_label("eager, after its upstream")
+        return (dg.AutomationCondition.eager() & waits).with_label("eager, upstream first")
     # An aggregate over dynamic partitions must not wait for every batch to exist:
-    # one new, unprocessed batch would otherwise block it forever.
-    return (
+    # one new, unprocessed batch would otherwise block it forever. An unpartitioned
+    # upstream asset that was never materialized (a checkpoint) still blocks it.
+    condition = (
         dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing()) & waits
-    ).with_label("eager over the batches that exist, after its upstream")
+    )
+    whole = [u for u in asset.decl.upstream if not spec.producer_of(u).partitioned]
+    if whole:
+        missing = dg.AutomationCondition.any_deps_missing().allow(dg.AssetSelection.assets(*whole))
+        condition = condition & ~missing
+    return condition.with_label("eager (any batch), upstream first")
 
 
 def _column_schema(schema: pa.Schema) -> dg.TableSchema:
