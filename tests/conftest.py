@@ -89,6 +89,19 @@ def dagster_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+def materialize_seeds(defs, instance, batch: str):
+    """Seed ingestion for `batch` through Dagster, as the seed-file sensor's run does."""
+    import dagster as dg
+
+    return dg.materialize(
+        list(defs.assets),
+        selection=["seed_problems", "seed_rejects"],
+        partition_key=batch,
+        instance=instance,
+        resources=dict(defs.resources),
+    )
+
+
 def host_processes_matching(marker: str) -> list[str]:
     """Command lines of the host's processes that contain `marker`."""
     out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout

@@ -7,7 +7,7 @@ import dagster as dg
 
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.sensors import scan_seed_files
-from tests.conftest import DEMO_SEEDS
+from tests.conftest import DEMO_SEEDS, materialize_seeds
 
 
 def _age(path, seconds=10):
@@ -80,13 +80,7 @@ def test_automation_runs_downstream_when_a_new_batch_lands(incoming):
         first = dg.evaluate_automation_conditions(defs=defs, instance=instance)
         assert first.total_requested == 0
 
-        assert dg.materialize(
-            list(defs.assets),
-            selection=["seed_problems", "seed_rejects"],
-            partition_key="demo",
-            instance=instance,
-            resources=dict(defs.resources),
-        ).success
+        assert materialize_seeds(defs, instance, "demo").success
         second = dg.evaluate_automation_conditions(
             defs=defs, instance=instance, cursor=first.cursor
         )
@@ -103,13 +97,7 @@ def _demo_state(instance, defs, incoming):
     shutil.copyfile(DEMO_SEEDS, incoming / "demo.jsonl")
     _age(incoming / "demo.jsonl")
     instance.add_dynamic_partitions("seed_batches", ["demo"])
-    assert dg.materialize(
-        list(defs.assets),
-        selection=["seed_problems", "seed_rejects"],
-        partition_key="demo",
-        instance=instance,
-        resources=dict(defs.resources),
-    ).success
+    assert materialize_seeds(defs, instance, "demo").success
     graph = defs.resolve_asset_graph()
     for key in graph.toposorted_asset_keys:
         if key.to_user_string() not in ("seed_problems", "seed_rejects"):
