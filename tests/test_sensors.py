@@ -209,8 +209,10 @@ def test_an_aggregate_waits_for_an_unpartitioned_upstream_that_was_never_materia
     """dser_eval reads policy_checkpoint: with the batch verified but no policy trained yet,
     it is not requested (it would fail); a missing batch does not block it."""
     defs = build_definitions(load_spec())
-    graph = defs.resolve_asset_graph()
     with dg.instance_for_test() as instance:
+        # Resolved inside the test instance: Dagster reads the current instance's state
+        # storage while it loads definitions.
+        graph = defs.resolve_asset_graph()
         instance.add_dynamic_partitions("seed_batches", ["demo", "not_yet"])
         for key in graph.toposorted_asset_keys:
             if graph.get(key).partitions_def is not None:
