@@ -33,12 +33,14 @@ LOCATION = "rstar_pipelines"  # pyproject's [tool.dg] code_location_name
 QUIET_MINUTE = 60
 
 
-def _needs_chromium() -> None:
-    if CHROMIUM.exists():
-        return
-    if os.environ.get("CI"):
-        pytest.fail(f"{CHROMIUM} is missing in CI (.ci/run installs Debian's chromium)")
-    pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+@pytest.fixture
+def chromium() -> Path:
+    """Debian's chromium: checked before the (long) demo fixture is asked for."""
+    if not CHROMIUM.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{CHROMIUM} is missing in CI (.ci/run installs Debian's chromium)")
+        pytest.skip(f"{CHROMIUM} not installed (apt-get install chromium)")
+    return CHROMIUM
 
 
 def _dismiss_welcome(page) -> None:
@@ -85,7 +87,7 @@ def _ticks(url: str, sensor: str) -> list[dict]:
 
 
 @pytest.fixture
-def dagster_dev(demo, monkeypatch, tmp_path):
+def dagster_dev(chromium, demo, monkeypatch, tmp_path):
     """`dagster dev` on the demo's home and data, on a free loopback port."""
     assert demo.returncode == 0, demo.output[-3000:]
     demo.use(monkeypatch)
@@ -131,8 +133,7 @@ def dagster_dev(demo, monkeypatch, tmp_path):
                 os.kill(int(pid), signal.SIGKILL)
 
 
-def test_the_ui_after_the_demo(demo, dagster_dev, tmp_path):
-    _needs_chromium()
+def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 
     url = dagster_dev
@@ -142,7 +143,7 @@ def test_the_ui_after_the_demo(demo, dagster_dev, tmp_path):
     assert len(runs_before) >= 2  # the demo's batch_chain and aggregates
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         page.set_default_timeout(120_000)
         expect.set_options(timeout=120_000)  # the first page waits for the code location
