@@ -32,11 +32,14 @@ test: $(VENV)/.installed-dev
 
 dev: $(VENV)/.installed
 	mkdir -p $(DAGSTER_HOME)
-	$(BIN)/dagster dev
+	# No tqdm bars from model loading in the runs' logs (the UI slows down on them).
+	TQDM_DISABLE=1 HF_HUB_DISABLE_PROGRESS_BARS=1 $(BIN)/dagster dev
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check rstar_pipelines sandbox kernels benchmarks tests
 	$(BIN)/ruff format --check rstar_pipelines sandbox kernels benchmarks tests
+	# The import contract of pyproject's [tool.importlinter]: the layers point one way.
+	$(BIN)/lint-imports --no-cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -103,37 +104,47 @@ def seeds_add(path: Path, batch: str | None) -> None:
     name = add_seed_batch(path, batch)
     click.echo(
         f"added seed batch {name!r}; materialize it with:\n"
-        f"  dagster asset materialize --select seed_problems --partition {name} "
-        f"-m rstar_pipelines.definitions"
+        f"  dg launch --assets seed_problems,seed_rejects --partition {name}"
     )
+
+
+# Model loading draws tqdm bars (GGUF de-quantization, checkpoint shards): not for people
+# watching a pipeline, nor for the UI's logs. Set before transformers is imported; the
+# training processes inherit it.
+QUIET_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 @main.command()
 def demo() -> None:
     """Materialize the whole declared graph for the demo seed batch."""
+    for name, value in QUIET_PROGRESS_BARS.items():
+        os.environ.setdefault(name, value)
     from rstar_pipelines.definitions import defs, load_spec
     from rstar_pipelines.materialize import materialize_graph
+    from rstar_pipelines.pipeline import progress
 
     os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster_home").resolve()))
     demo_file = settings.assets_dir() / "seeds" / "demo" / f"{DEMO_BATCH}.jsonl"
     add_seed_batch(demo_file)
-    results = materialize_graph(defs, load_spec(), DEMO_BATCH, _instance())
+    instance = _instance()
+    event_log = (
+        Path(os.environ["DAGSTER_HOME"]) / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    )
+    click.echo(f"Dagster's full event log: {event_log}")
+    with progress.console():
+        results = materialize_graph(defs, load_spec(), DEMO_BATCH, instance, event_log)
     failed = [r for r in results if not r.success]
-    for result in results:
-        for event in result.get_asset_materialization_events():
-            rows = event.materialization.metadata.get("dagster/row_count")
-            click.echo(
-                f"  {event.asset_key.to_user_string():<28} {rows.value if rows else '-':>6} rows"
-            )
+    click.echo(f"\n{len(results)} runs: {', '.join(r.job_def.name for r in results)}")
     if failed:
-        raise click.ClickException("a run failed; see the log above")
+        raise click.ClickException(f"a run failed; its events are in {event_log}")
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     click.echo(
-        f"\nOutputs: {settings.lake_dir()} (Parquet, one file per asset partition)\n"
+        f"Event log:   {event_log}\n"
+        f"Outputs:     {settings.lake_dir()} (Parquet, one file per asset partition)\n"
         f"Query them:  {bin_dir}/rstar query "
         f'"select domain, count(*) from seed_problems group by 1"\n'
         f"Open the UI: make dev   (or: DAGSTER_HOME={os.environ['DAGSTER_HOME']} "
-        f"{bin_dir}/dagster dev)"
+        f"{bin_dir}/dagster dev); it runs nothing the demo did"
     )
 
 

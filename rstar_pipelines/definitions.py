@@ -9,6 +9,7 @@ import dagster as dg
 
 from rstar_pipelines import settings
 from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.materialize import graph_jobs
 from rstar_pipelines.pipeline.factory import build_assets
 from rstar_pipelines.pipeline.spec import PipelineSpec, load_pipeline
 from rstar_pipelines.sandbox_resource import SandboxResource
@@ -27,6 +28,7 @@ def build_definitions(spec: PipelineSpec) -> dg.Definitions:
     schedule = aggregates_schedule(spec)
     return dg.Definitions(
         assets=build_assets(spec),
+        jobs=graph_jobs(spec),
         sensors=[
             *(seed_file_sensor(a) for a in spec.with_stage(SeedIngestion)),
             automation_sensor(),

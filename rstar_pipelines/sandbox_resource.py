@@ -7,6 +7,8 @@ import os
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
+from rstar_pipelines.pipeline.progress import CountingSandbox
+
 
 class SandboxResource(dg.ConfigurableResource):
     """`sandbox.get()` returns a started `rstar_sandbox.Sandbox`; it starts on first use
@@ -35,13 +37,15 @@ class SandboxResource(dg.ConfigurableResource):
         from rstar_sandbox import Sandbox
 
         if self._sandbox is None:
-            self._sandbox = Sandbox(
+            sandbox = Sandbox(
                 backend=self.backend_name(),
                 workers=self.worker_count(),
                 image=self.image,
                 preload=tuple(self.preload),
             )
-            self._sandbox.start()
+            sandbox.start()
+            # Its jobs go to the running step's progress (pipeline/progress.py).
+            self._sandbox = CountingSandbox(sandbox)
         return self._sandbox
 
     def teardown_after_execution(self, context: dg.InitResourceContext) -> None:

@@ -55,9 +55,23 @@ def scan_seed_files(
     return new_cursor, changed, problems
 
 
+def ingested_sha256(instance: dg.DagsterInstance, asset_key: str, batch: str) -> str | None:
+    """The content hash of the file that the latest materialization of `batch` ingested
+    (its `source_sha256` metadata), whoever ran it: this sensor, `rstar demo`, the CLI."""
+    records = instance.fetch_materializations(
+        dg.AssetRecordsFilter(asset_key=dg.AssetKey(asset_key), asset_partitions=[batch]), limit=1
+    ).records
+    if not records or records[0].asset_materialization is None:
+        return None
+    value = records[0].asset_materialization.metadata.get("source_sha256")
+    return value.value if value is not None else None
+
+
 def seed_file_sensor(ingestion: DeclaredAsset) -> dg.SensorDefinition:
-    """Adds a partition for each new seed file and runs ingestion for it. The run key
-    carries the file's content hash, so a file changed in place is ingested again."""
+    """Adds a partition for each new seed file and runs ingestion for it. A file whose
+    content its batch's latest materialization already ingested starts no run (so a
+    first tick after `rstar demo` finds nothing to do). The run key carries the file's
+    content hash, so a file changed in place is ingested again."""
     stage = ingestion.stage()
 
     @dg.sensor(
@@ -77,14 +91,18 @@ def seed_file_sensor(ingestion: DeclaredAsset) -> dg.SensorDefinition:
             return dg.SkipReason(f"no new or changed seed files in {stage.incoming_dir()}")
         known = set(context.instance.get_dynamic_partitions(seed_batches.name))
         new_batches = sorted(set(changed) - known)
-        run_requests = [
-            dg.RunRequest(
-                partition_key=batch,
-                run_key=f"{batch}:{sha[:16]}:{mtime_ns}",
-                tags={"rstar/seed_sha256": sha},
+        run_requests = []
+        for batch, (mtime_ns, _size, sha) in changed.items():
+            if batch in known and ingested_sha256(context.instance, ingestion.key, batch) == sha:
+                context.log.info(f"batch {batch!r}: this content is already ingested")
+                continue
+            run_requests.append(
+                dg.RunRequest(
+                    partition_key=batch,
+                    run_key=f"{batch}:{sha[:16]}:{mtime_ns}",
+                    tags={"rstar/seed_sha256": sha},
+                )
             )
-            for batch, (mtime_ns, _size, sha) in changed.items()
-        ]
         return dg.SensorResult(
             run_requests=run_requests,
             dynamic_partitions_requests=[seed_batches.build_add_request(new_batches)]

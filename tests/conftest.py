@@ -3,6 +3,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -46,14 +47,58 @@ def math500() -> Path:
     return path
 
 
-# The `dagster` command of this environment.
+# The `dagster` and `rstar` commands of this environment.
 DAGSTER = os.path.join(os.path.dirname(sys.executable), "dagster")
+RSTAR = os.path.join(os.path.dirname(sys.executable), "rstar")
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    """What `rstar demo` left: its Dagster home, its data directory and its console."""
+
+    home: Path
+    data: Path
+    returncode: int
+    output: str
+
+    def use(self, monkeypatch) -> None:
+        """Point this test's Dagster instance and data directory at the demo's."""
+        monkeypatch.setenv("DAGSTER_HOME", str(self.home))
+        monkeypatch.setenv("RSTAR_DATA_DIR", str(self.data))
+
+
+@pytest.fixture(scope="session")
+def demo(tmp_path_factory) -> DemoRun:
+    """`rstar demo` end to end, once per session (about 17 minutes on a CPU): the embedded
+    model and the real sandbox through the whole declared graph. The demo's checks and the
+    browser test of the UI share it."""
+    root = tmp_path_factory.mktemp("demo")
+    home, data = root / "dagster_home", root / "data"
+    home.mkdir()
+    env = {**os.environ, "DAGSTER_HOME": str(home), "RSTAR_DATA_DIR": str(data)}
+    proc = subprocess.run(
+        [RSTAR, "demo"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600
+    )
+    return DemoRun(home, data, proc.returncode, proc.stdout + proc.stderr)
 
 
 def dagster_cli(*args: str) -> subprocess.CompletedProcess:
     """Run `dagster` from the repository root."""
     return subprocess.run(
         [DAGSTER, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+
+
+def materialize_seeds(defs, instance, batch: str):
+    """Seed ingestion for `batch` through Dagster, as the seed-file sensor's run does."""
+    import dagster as dg
+
+    return dg.materialize(
+        list(defs.assets),
+        selection=["seed_problems", "seed_rejects"],
+        partition_key=batch,
+        instance=instance,
+        resources=dict(defs.resources),
     )
 
 

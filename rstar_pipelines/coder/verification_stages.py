@@ -92,23 +92,9 @@ class MutualVerification(Stage):
             if p["domain"] == "math"
         ]
         rows = code_rows + math_rows
-        reasons = Counter(r["reason"] for r in rows if not r["verified"])
-        verified = Counter(r["domain"] for r in rows if r["verified"])
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
-            metadata={
-                "problems": len(rows),
-                "verified_code": verified["code"],
-                "verified_math": verified["math"],
-                "verification_rate": sum(verified.values()) / len(rows) if rows else 0.0,
-                "unverified_reasons": dict(reasons),
-                "agreement_distribution": histogram(
-                    [r["agreement"] for r in rows],
-                    "candidate agreement",
-                    "share agreeing",
-                    "problems",
-                ),
-            },
+            metadata=_verification_figures(rows, {p["id"] for p in problems if p["is_seed"]}),
             checks=[
                 self._check_labels(code_rows),
                 self._check_determinism(ctx, code_rows, code, candidates),
@@ -256,6 +242,40 @@ class MutualVerification(Stage):
                 "nondeterministic_problems": unstable[:20],
             },
         )
+
+
+def _verification_figures(rows: list[dict], seed_ids: set[str]) -> dict:
+    """Seeds and synthesized problems apart: a seed is labelled by its own oracle or given
+    answer (always verified), so only the synthesized problems measure mutual
+    verification. For seeds, the agreement is the share of candidates that match the
+    label: how well the solver solves them."""
+    seeds = [r for r in rows if r["problem_id"] in seed_ids]
+    synthesized = [r for r in rows if r["problem_id"] not in seed_ids]
+    verified = Counter(r["domain"] for r in synthesized if r["verified"])
+    reasons = Counter(r["reason"] for r in synthesized if not r["verified"])
+    return {
+        "problems": len(rows),
+        "seed_problems": len(seeds),
+        "synthesized_problems": len(synthesized),
+        "synthesized_verified_code": verified["code"],
+        "synthesized_verified_math": verified["math"],
+        "synthesized_verification_rate": sum(verified.values()) / len(synthesized)
+        if synthesized
+        else 0.0,
+        "unverified_reasons": dict(reasons),
+        "synthesized_agreement": histogram(
+            [r["agreement"] for r in synthesized],
+            f"synthesized problems ({len(synthesized)}): candidate agreement",
+            "share of candidates agreeing",
+            ylabel="synthesized problems",
+        ),
+        "seed_candidates_matching_label": histogram(
+            [r["agreement"] for r in seeds],
+            f"seeds ({len(seeds)}): candidates matching the seed's label",
+            "share of candidates matching",
+            ylabel="seed problems",
+        ),
+    }
 
 
 def _labelling_program(row: dict, problem: dict, mine: list[dict]) -> str:

@@ -18,6 +18,8 @@ from typing import Any
 import dagster as dg
 from pydantic import PrivateAttr
 
+from rstar_pipelines.pipeline.progress import CountingLLM
+
 from . import LLM, load_llm
 from .sparse import SeerSettings
 
@@ -64,7 +66,9 @@ class LLMResource(dg.ConfigurableResource):
         key = self._resolve(model)
         backend, model = key
         if key not in self._clients:
-            self._clients[key] = load_llm(backend, model, **self._options(backend))
+            llm = load_llm(backend, model, **self._options(backend))
+            # Completions and tokens go to the running step's progress (pipeline/progress.py).
+            self._clients[key] = CountingLLM(llm)
         return self._clients[key]
 
     def _seer(self, backend: str) -> SeerSettings | None:

@@ -8,6 +8,9 @@ needs in the UI (row counts, column schema, a preview, the stage's own figures).
 
 from __future__ import annotations
 
+import math
+import operator
+from functools import reduce
 from typing import Any
 
 import dagster as dg
@@ -15,30 +18,124 @@ import pyarrow as pa
 
 from rstar_pipelines import settings
 from rstar_pipelines.partitions import PARTITIONINGS
+from rstar_pipelines.pipeline import progress
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
+from rstar_pipelines.storage import schemas
 
 PREVIEW_ROWS = 5
 PREVIEW_CHARS = 80
+SIGNIFICANT = 4  # digits of the floats shown in the UI
 
 
-def automation_condition(asset: DeclaredAsset) -> dg.AutomationCondition | None:
-    mode = asset.decl.automation or ("eager" if asset.decl.upstream else "none")
-    if mode == "none":
+def _automated(asset: DeclaredAsset) -> bool:
+    return (asset.decl.automation or ("eager" if asset.decl.upstream else "none")) != "none"
+
+
+def _pending(upstream: DeclaredAsset, asset: DeclaredAsset) -> dg.AutomationCondition:
+    """True where `upstream`, an ancestor of `asset`, is still to bring itself up to date:
+    it is running, or (when it is partitioned differently, so it cannot share a run with
+    `asset`) one of its parents updated since the last tick and it did not, so it is
+    about to be requested on its own. (Dagster's will_be_requested does not see requests
+    that go into another run.) An ancestor that waits for its own upstream waits for one
+    of these, an ancestor of `asset` too: checking every ancestor covers it."""
+    A = dg.AutomationCondition
+    pending = A.in_progress()
+    if _automated(upstream) and upstream.partitioned != asset.partitioned:
+        pending = pending | (A.any_deps_match(A.newly_updated()) & ~A.newly_updated())
+    return pending
+
+
+def _ancestors(asset: DeclaredAsset, spec: PipelineSpec) -> list[DeclaredAsset]:
+    found: dict[str, DeclaredAsset] = {}
+    todo = list(asset.decl.upstream)
+    while todo:
+        producer = spec.producer_of(todo.pop())
+        if producer.key not in found:
+            found[producer.key] = producer
+            todo += producer.decl.upstream
+    return list(found.values())
+
+
+def upstream_still_updating(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AutomationCondition:
+    """True while any ancestor of `asset` is still to update (see _pending). Without it an
+    asset fed by an early and a late stage of one change (dser_eval reads verified_outputs
+    and, four stages later, policy_checkpoint) runs as soon as the early one updates, and
+    again when the late one does.
+
+    Every ancestor is visited once, along a breadth-first tree of the lineage: each
+    level is `any_deps_match(...)` allowed to one dependency only, so the condition grows
+    with the number of ancestors, not with the number of paths to them."""
+    children: dict[str, list[str]] = {}
+    seen = {asset.key}
+    frontier = [asset.key]
+    while frontier:
+        following = []
+        for key in frontier:
+            children[key] = []
+            for up in spec.producer_of(key).decl.upstream:
+                if up not in seen:
+                    seen.add(up)
+                    children[key].append(up)
+                    following.append(up)
+        frontier = following
+
+    def below(key: str) -> list[dg.AutomationCondition]:
+        return [
+            dg.AutomationCondition.any_deps_match(
+                reduce(operator.or_, [_pending(spec.producer_of(up), asset), *below(up)])
+            )
+            .allow(dg.AssetSelection.assets(up))
+            .with_label(f"{up} still to update")
+            for up in children[key]
+        ]
+
+    return reduce(operator.or_, below(asset.key)).with_label("an upstream asset is still to update")
+
+
+def automation_condition(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AutomationCondition | None:
+    if not _automated(asset):
         return None
-    if asset.partitioned:
+    if asset.partitioned and all(a.partitioned for a in _ancestors(asset, spec)):
+        # What eager requests for a batch on one tick goes into one run, in dependency
+        # order, and a running parent blocks its children (any_deps_in_progress).
         return dg.AutomationCondition.eager()
+    waits = ~upstream_still_updating(asset, spec)
+    if asset.partitioned:  # a later round's search reads the previous round's checkpoints
+        return (dg.AutomationCondition.eager() & waits).with_label("eager, upstream first")
     # An aggregate over dynamic partitions must not wait for every batch to exist:
-    # one new, unprocessed batch would otherwise block it forever.
-    return (
-        dg.AutomationCondition.eager()
-        .without(~dg.AutomationCondition.any_deps_missing())
-        .with_label("eager, over the batches that exist")
+    # one new, unprocessed batch would otherwise block it forever. An unpartitioned
+    # upstream asset that was never materialized (a checkpoint) still blocks it.
+    condition = (
+        dg.AutomationCondition.eager().without(~dg.AutomationCondition.any_deps_missing()) & waits
     )
+    whole = [u for u in asset.decl.upstream if not spec.producer_of(u).partitioned]
+    if whole:
+        missing = dg.AutomationCondition.any_deps_missing().allow(dg.AssetSelection.assets(*whole))
+        condition = condition & ~missing
+    return condition.with_label("eager (any batch), upstream first")
 
 
 def _column_schema(schema: pa.Schema) -> dg.TableSchema:
-    return dg.TableSchema(columns=[dg.TableColumn(f.name, str(f.type)) for f in schema])
+    """The table's columns with their types and the descriptions of the data contracts."""
+    return dg.TableSchema(
+        columns=[
+            dg.TableColumn(f.name, str(f.type), description=schemas.description(f)) for f in schema
+        ]
+    )
+
+
+def rounded(value: Any) -> Any:
+    """Floats (also inside dicts and lists) to SIGNIFICANT significant digits, never
+    cutting the integer part: what the UI shows is read by people."""
+    if isinstance(value, float) and math.isfinite(value) and value != 0:
+        digits = SIGNIFICANT - 1 - math.floor(math.log10(abs(value)))
+        return round(value, max(0, digits))
+    if isinstance(value, dict):
+        return {k: rounded(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [rounded(v) for v in value]
+    return value
 
 
 def _preview(table: pa.Table) -> str:
@@ -62,7 +159,17 @@ def table_metadata(table: pa.Table) -> dict[str, Any]:
 
 def _metadata_values(metadata: dict[str, Any]) -> dict[str, Any]:
     return {
-        k: dg.MetadataValue.md(v) if isinstance(v, Markdown) else v for k, v in metadata.items()
+        k: dg.MetadataValue.md(v) if isinstance(v, Markdown) else rounded(v)
+        for k, v in metadata.items()
+    }
+
+
+def _headline(metadata: dict[str, Any]) -> dict[str, float]:
+    """The figures the console's end line shows: yields and rates."""
+    return {
+        k: v
+        for k, v in metadata.items()
+        if isinstance(v, float) and ("yield" in k or k.endswith("rate"))
     }
 
 
@@ -93,13 +200,15 @@ def _combine(value: Any, schema: pa.Schema) -> pa.Table:
 
 def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition:
     decl, stage_cls = asset.decl, asset.stage_cls
-    schemas = {decl.key: stage_cls.schema}
-    schemas.update({key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()})
+    schemas_of = {decl.key: stage_cls.schema}
+    schemas_of.update(
+        {key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()}
+    )
     common = {
         "group_name": decl.group,
         "code_version": asset.code_version,
         "kinds": set(stage_cls.kinds),
-        "automation_condition": automation_condition(asset),
+        "automation_condition": automation_condition(asset, spec),
         "is_required": False,  # needed for subsetting; the stage still yields every selected one
         "metadata": {
             "stage": decl.stage,
@@ -133,15 +242,23 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         can_subset=True,
         check_specs=[
             dg.AssetCheckSpec(
-                c.name, asset=decl.key, description=c.description, blocking=c.blocking
+                c.name,
+                asset=decl.key,
+                description=c.description + (" (a warning: never fails the run)" if c.warn else ""),
+                blocking=c.blocking,
             )
             for c in stage_cls.checks
         ],
     )
     def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
         tables = {asset.input_names[k]: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
+        partition = context.partition_key if context.has_partition_key else None
+        with progress.step(decl.key, partition, context.log) as step:
+            yield from _run_stage(context, tables, partition, step)
+
+    def _run_stage(context, tables, partition, step):
         ctx = StageContext(
-            partition_key=context.partition_key if context.has_partition_key else None,
+            partition_key=partition,
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
@@ -161,7 +278,17 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         produced = {decl.key: result.table}
         produced.update({key: result.secondary.get(name) for name, key in decl.outputs.items()})
         for key, table in produced.items():
-            table = _check_schema(key, table, schemas[key])
+            _check_schema(key, table, schemas_of[key])
+        progress.finished(
+            step,
+            {
+                k: t.num_rows
+                for k, t in produced.items()
+                if dg.AssetKey(k) in context.selected_asset_keys
+            },
+            _headline(rounded(result.metadata)),
+        )
+        for key, table in produced.items():
             if dg.AssetKey(key) not in context.selected_asset_keys:
                 continue
             extra = _metadata_values(result.metadata) if key == decl.key else {}
@@ -178,6 +305,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
                 asset_key=decl.key,
                 check_name=spec.name,
                 passed=outcome.passed,
+                severity=dg.AssetCheckSeverity.WARN if spec.warn else dg.AssetCheckSeverity.ERROR,
                 metadata=_metadata_values(outcome.metadata),
             )
 

@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rstar_pipelines.pipeline import progress
+
 T = TypeVar("T")
 
 
@@ -76,11 +78,14 @@ class ItemCache:
         todo = [i for i, r in enumerate(results) if r is None]
         self.hits += len(items) - len(todo)
         self.misses += len(todo)
-        for start in range(0, len(todo), chunk):
-            batch = todo[start : start + chunk]
-            for i, value in zip(batch, compute([items[i] for i in batch]), strict=True):
-                self.put(keys[i], value)
-                results[i] = value
+        with progress.track(len(todo), cached=len(items) - len(todo)) as task:
+            for start in range(0, len(todo), chunk):
+                batch = todo[start : start + chunk]
+                for i, value in zip(batch, compute([items[i] for i in batch]), strict=True):
+                    self.put(keys[i], value)
+                    results[i] = value
+                if task is not None:
+                    task.advance(len(batch))
         return results
 
     @property

@@ -94,11 +94,19 @@ class StageContext:
 @dataclass(frozen=True)
 class CheckSpec:
     """A data-quality check the stage evaluates on what it produced. A failed blocking
-    check stops the run's downstream steps (the asset itself is still recorded)."""
+    check stops the run's downstream steps (the asset itself is still recorded). A
+    warning (`warn=True`, never blocking) shows on the asset without failing anything:
+    for a result that is usable but not what was asked for (a training that made no
+    update)."""
 
     name: str
     description: str
     blocking: bool = True
+    warn: bool = False
+
+    def __post_init__(self) -> None:
+        if self.warn and self.blocking:
+            raise ValueError(f"check {self.name!r}: a warning never blocks")
 
 
 @dataclass(frozen=True)

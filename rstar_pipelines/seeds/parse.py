@@ -1,13 +1,18 @@
 """Reading a seed batch file into validated problem rows and rejected rows.
 
 A batch is one JSONL, JSON (an array of objects) or Parquet file. A bad row never
-fails the batch: it becomes a reject that says which line, which field and why.
+fails the batch: it becomes a reject that says which line, which field and why. Nothing
+is altered on the way in: text is read as strict UTF-8 (a leading byte-order mark is
+allowed, anything else that is not UTF-8 fails the file with its line and byte offset,
+never decoded with replacement characters), and NaN or infinite numbers are rejected
+rather than kept as the text "nan".
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,17 +26,25 @@ from rstar_pipelines.pipeline.stage import StageInputError
 
 SEED_SUFFIXES = (".jsonl", ".json", ".parquet")
 RAW_LIMIT = 2000
+# The default of the ingestion's declared `max_problem_chars`.
+MAX_PROBLEM_CHARS = 20_000
+NON_FINITE_WORDS = ("nan", "inf", "+inf", "-inf", "infinity", "+infinity", "-infinity")
 
 
-def _number_as_text(value: Any) -> Any:
-    # Math answers are often written as bare numbers in JSON; accept them as text.
+def _finite_answer(value: Any) -> Any:
+    # Math answers are often written as bare numbers in JSON; accept them as text, but
+    # never a NaN or an infinity (as a number, or as its spelling), which no answer is.
     if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"answer is {value}, not a finite number")
         return str(value)
+    if isinstance(value, str) and value.strip().lower() in NON_FINITE_WORDS:
+        raise ValueError(f"answer is {value.strip()!r}, not a finite number")
     return value
 
 
 NonEmptyText = Annotated[str, Field(min_length=1, strict=True)]
-AnswerText = Annotated[str, BeforeValidator(_number_as_text), Field(min_length=1, strict=True)]
+AnswerText = Annotated[str, BeforeValidator(_finite_answer), Field(min_length=1, strict=True)]
 
 
 class Example(BaseModel):
@@ -54,7 +67,7 @@ class CodeSeed(_Seed):
     domain: Literal["code"] = "code"
     oracle_solutions: Annotated[list[NonEmptyText], Field(min_length=1)]
     examples: list[Example] = []
-    time_limit_s: Annotated[float, Field(gt=0, strict=True)] | None = None
+    time_limit_s: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] | None = None
 
 
 def problem_id(domain: str, problem: str, answer: str | None, oracle_solutions: list[str]) -> str:
@@ -100,30 +113,55 @@ def find_seed_file(directory: Path, batch: str) -> Path:
 class ParsedBatch:
     problems: list[dict[str, Any]] = field(default_factory=list)
     rejects: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+def _no_non_finite(constant: str) -> Any:
+    raise ValueError(f"non-finite number {constant} (NaN and infinities are not allowed)")
+
+
+def _loads(text: str) -> Any:
+    """json.loads, except that NaN, Infinity and -Infinity are errors, not floats."""
+    return json.loads(text, parse_constant=_no_non_finite)
+
+
+def _utf8_text(path: Path) -> str:
+    """The file as text: strict UTF-8 with an optional byte-order mark. Bytes that are not
+    UTF-8 fail the whole file, naming the line and the byte offset."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        bom = 3 if data.startswith(b"\xef\xbb\xbf") else 0
+        offset = err.start + bom
+        line = data.count(b"\n", 0, offset) + 1
+        column = offset - (data.rfind(b"\n", 0, offset) + 1)
+        raise SeedFileError(
+            f"{path}: not valid UTF-8 at line {line}, byte offset {offset} (byte {column} of "
+            f"the line: {data[offset : offset + 4]!r}); re-encode the file as UTF-8"
+        ) from None
 
 
 def _records(path: Path) -> Iterator[tuple[int, str, Any, str | None]]:
     """(line, raw text, decoded object, decode error) for each record of the file."""
     suffix = path.suffix
     if suffix == ".jsonl":
-        with path.open(encoding="utf-8", errors="replace") as fh:
-            for number, text in enumerate(fh, start=1):
-                if not text.strip():
-                    continue
-                try:
-                    yield number, text.rstrip("\n"), json.loads(text), None
-                except json.JSONDecodeError as err:
-                    yield (
-                        number,
-                        text.rstrip("\n"),
-                        None,
-                        f"invalid JSON: {err.msg} (column {err.colno})",
-                    )
+        for number, text in enumerate(_utf8_text(path).split("\n"), start=1):
+            if not text.strip():
+                continue
+            raw = text.rstrip("\r")
+            try:
+                yield number, raw, _loads(text), None
+            except json.JSONDecodeError as err:
+                yield number, raw, None, f"invalid JSON: {err.msg} (column {err.colno})"
+            except ValueError as err:
+                yield number, raw, None, f"invalid JSON: {err}"
         return
     if suffix == ".json":
+        text = _utf8_text(path)
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            data = _loads(text)
+        except ValueError as err:  # json.JSONDecodeError included
             raise SeedFileError(f"{path}: not valid JSON: {err}") from None
         if not isinstance(data, list):
             raise SeedFileError(f"{path}: a .json seed file must hold an array of objects")
@@ -150,9 +188,26 @@ def _validate(obj: Any) -> MathSeed | CodeSeed:
     raise LookupError(f"domain must be 'math' or 'code', got {domain!r}")
 
 
-def parse_seed_file(path: Path, batch: str) -> ParsedBatch:
+def _is_empty(path: Path) -> bool:
+    """No bytes, or only whitespace (and a byte-order mark) in a text file."""
+    size = path.stat().st_size
+    if size == 0:
+        return True
+    if path.suffix == ".parquet" or size > 4096:
+        return False
+    return not path.read_bytes().removeprefix(b"\xef\xbb\xbf").strip()
+
+
+def parse_seed_file(
+    path: Path, batch: str, max_problem_chars: int = MAX_PROBLEM_CHARS
+) -> ParsedBatch:
+    """The batch's problems and rejects. A problem longer than `max_problem_chars` is
+    rejected with its length; an empty file is an empty batch, with a warning."""
     out = ParsedBatch()
     seen: dict[str, int] = {}
+    if _is_empty(path):
+        out.warnings.append(f"{path.name} is empty: the batch has no problems")
+        return out
 
     def reject(line: int, field_name: str | None, reason: str, raw: str) -> None:
         out.rejects.append(
@@ -182,6 +237,15 @@ def parse_seed_file(path: Path, batch: str) -> ParsedBatch:
             continue
         except LookupError as err:
             reject(line, "domain", str(err), raw)
+            continue
+        if len(seed.problem) > max_problem_chars:
+            reject(
+                line,
+                "problem",
+                f"problem is {len(seed.problem)} characters long, over the declared limit of "
+                f"{max_problem_chars} (max_problem_chars)",
+                raw,
+            )
             continue
         answer = seed.answer if isinstance(seed, MathSeed) else None
         oracles = seed.oracle_solutions if isinstance(seed, CodeSeed) else []

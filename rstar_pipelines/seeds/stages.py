@@ -6,16 +6,25 @@ from collections import Counter
 from typing import ClassVar
 
 import pyarrow as pa
+from pydantic import Field
 
 from rstar_pipelines import settings
 from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, StageResult
-from rstar_pipelines.seeds.parse import file_sha256, find_seed_file, parse_seed_file
+from rstar_pipelines.seeds.parse import (
+    MAX_PROBLEM_CHARS,
+    file_sha256,
+    find_seed_file,
+    parse_seed_file,
+)
 from rstar_pipelines.storage import schemas
 
 
 class SeedIngestionParams(StageParams):
     # Relative paths are under the data directory (RSTAR_DATA_DIR, default ./data).
     incoming_dir: str = "seeds/incoming"
+    max_problem_chars: int = Field(
+        MAX_PROBLEM_CHARS, ge=1, description="longer problems are rejected, with their length"
+    )
 
 
 class SeedIngestion(Stage):
@@ -31,7 +40,9 @@ class SeedIngestion(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         path = find_seed_file(self.incoming_dir(), ctx.partition_key)
-        parsed = parse_seed_file(path, ctx.partition_key)
+        parsed = parse_seed_file(path, ctx.partition_key, self.params.max_problem_chars)
+        for warning in parsed.warnings:
+            ctx.log.warning("batch %s: %s", ctx.partition_key, warning)
         domains = Counter(p["domain"] for p in parsed.problems)
         ctx.log.info(
             "batch %s: %d problems kept, %d rows rejected (%s)",
@@ -56,6 +67,7 @@ class SeedIngestion(Stage):
                 "rejected_rows": len(parsed.rejects),
                 "math_problems": domains.get("math", 0),
                 "code_problems": domains.get("code", 0),
+                **({"warnings": parsed.warnings} if parsed.warnings else {}),
             },
         )
 

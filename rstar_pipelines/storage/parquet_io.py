@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from upath import UPath
 
 from rstar_pipelines import settings
+from rstar_pipelines.storage import schemas
 
 
 def write_table(table: pa.Table, path: Path, metadata: dict[str, str] | None = None) -> None:
@@ -65,6 +66,18 @@ class _ParquetUPathIO(dg.UPathIOManager):
         if context.run_id:
             provenance["rstar.run_id"] = context.run_id
         write_table(_as_arrow(obj), Path(path), provenance)
+
+    def get_metadata(self, context: dg.OutputContext, obj: Any) -> dict[str, Any]:
+        # A one-row table that points at an artifact (a checkpoint directory): the
+        # materialization's `path` is the artifact, `parquet_file` the row that records it.
+        table = _as_arrow(obj)
+        column = schemas.artifact_column(table.schema)
+        if column is None or table.num_rows != 1 or table[column][0].as_py() is None:
+            return {}
+        return {
+            "path": dg.MetadataValue.path(table[column][0].as_py()),
+            "parquet_file": dg.MetadataValue.path(str(self._get_path(context))),
+        }
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pa.Table:
         return read_table(Path(path))

@@ -1,102 +1,184 @@
 """Arrow schemas of the tables the pipeline writes: the data contracts of ARCHITECTURE §4.
 
 Nested values are lists and structs, never JSON inside strings, so DuckDB and
-pyarrow readers see real types.
+pyarrow readers see real types. Every column says what it holds (field metadata
+`description`: the Dagster UI shows it as the column's description, and it travels
+in the Parquet files).
 """
 
 from __future__ import annotations
 
 import pyarrow as pa
 
+DESCRIPTION = b"description"
+# Schema metadata of a one-row table that points at an artifact on disk (a checkpoint):
+# the column that holds its path, which the materialization's `path` then shows.
+ARTIFACT_COLUMN = b"rstar.artifact_column"
+
+
+def contract(
+    columns: list[tuple[str, pa.DataType, str] | tuple[str, pa.DataType]],
+    artifact_column: str | None = None,
+) -> pa.Schema:
+    """A table's schema from (name, type, description) triples."""
+    fields = [
+        pa.field(c[0], c[1], metadata={DESCRIPTION: c[2]} if len(c) == 3 else None) for c in columns
+    ]
+    metadata = {ARTIFACT_COLUMN: artifact_column.encode()} if artifact_column else None
+    return pa.schema(fields, metadata=metadata)
+
+
+def description(field: pa.Field) -> str | None:
+    value = (field.metadata or {}).get(DESCRIPTION)
+    return value.decode() if value is not None else None
+
+
+def artifact_column(schema: pa.Schema) -> str | None:
+    value = (schema.metadata or {}).get(ARTIFACT_COLUMN)
+    return value.decode() if value is not None else None
+
+
 EXAMPLE = pa.struct([("stdin", pa.string()), ("stdout", pa.string())])
 
-SEED_PROBLEMS = pa.schema(
+SEED_PROBLEMS = contract(
     [
-        ("id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("problem", pa.string()),
-        ("answer", pa.string()),
-        ("oracle_solutions", pa.list_(pa.string())),
-        ("examples", pa.list_(EXAMPLE)),
-        ("time_limit_s", pa.float64()),
-        ("source_file", pa.string()),
-        ("source_line", pa.int64()),
+        (
+            "id",
+            pa.string(),
+            "content hash of domain, problem, answer and oracle solutions (the same in any batch)",
+        ),
+        ("batch", pa.string(), "the seed batch (partition) the row came from"),
+        ("domain", pa.string(), "math or code"),
+        ("problem", pa.string(), "the problem statement, whitespace-trimmed"),
+        ("answer", pa.string(), "math: the given final answer; code: null"),
+        (
+            "oracle_solutions",
+            pa.list_(pa.string()),
+            "code: reference programs known to be correct; math: empty",
+        ),
+        ("examples", pa.list_(EXAMPLE), "code: example stdin/stdout pairs from the statement"),
+        (
+            "time_limit_s",
+            pa.float64(),
+            "code: per-run time limit in seconds (null: the stage's default)",
+        ),
+        ("source_file", pa.string(), "name of the seed file"),
+        (
+            "source_line",
+            pa.int64(),
+            "line (JSONL) or record number (JSON, Parquet) in the seed file, from 1",
+        ),
     ]
 )
 
-SEED_REJECTS = pa.schema(
+SEED_REJECTS = contract(
     [
-        ("batch", pa.string()),
-        ("source_file", pa.string()),
-        ("line", pa.int64()),
-        ("field", pa.string()),
-        ("reason", pa.string()),
-        ("raw", pa.string()),
+        ("batch", pa.string(), "the seed batch (partition)"),
+        ("source_file", pa.string(), "name of the seed file"),
+        ("line", pa.int64(), "line or record number of the rejected row, from 1"),
+        ("field", pa.string(), "the field that failed validation (null: the row as a whole)"),
+        ("reason", pa.string(), "why the row was rejected"),
+        ("raw", pa.string(), "the row as written in the file, cut to 2000 characters"),
     ]
 )
 
-SEED_CATALOG = pa.schema(
+SEED_CATALOG = contract(
     [
-        ("batch", pa.string()),
-        ("math_problems", pa.int64()),
-        ("code_problems", pa.int64()),
-        ("code_with_examples", pa.int64()),
-        ("rejected_rows", pa.int64()),
+        ("batch", pa.string(), "the seed batch"),
+        ("math_problems", pa.int64(), "math problems kept from the batch"),
+        ("code_problems", pa.int64(), "code problems kept from the batch"),
+        ("code_with_examples", pa.int64(), "code problems that came with examples"),
+        ("rejected_rows", pa.int64(), "rows of the batch rejected by validation"),
     ]
 )
 
 # -- the verification chain (rStar-Coder) -----------------------------------------------
 
-SYNTHESIZED_PROBLEMS = pa.schema(
+SYNTHESIZED_PROBLEMS = contract(
     [
-        ("id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("problem", pa.string()),
-        ("answer", pa.string()),  # seeds' given answer; synthesized math: decided by voting
-        ("oracle_solutions", pa.list_(pa.string())),
-        ("examples", pa.list_(EXAMPLE)),
-        ("time_limit_s", pa.float64()),
-        ("is_seed", pa.bool_()),
-        ("seed_id", pa.string()),
-        ("model", pa.string()),
+        ("id", pa.string(), "problem id (a seed keeps its seed id)"),
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "math or code"),
+        ("problem", pa.string(), "the problem statement"),
+        (
+            "answer",
+            pa.string(),
+            "seeds: the given answer; synthesized math: null until voted on in verified_outputs",
+        ),
+        (
+            "oracle_solutions",
+            pa.list_(pa.string()),
+            "seeds: reference programs; synthesized problems: empty",
+        ),
+        ("examples", pa.list_(EXAMPLE), "example stdin/stdout pairs"),
+        ("time_limit_s", pa.float64(), "per-run time limit in seconds (null: the stage's default)"),
+        (
+            "is_seed",
+            pa.bool_(),
+            "true for a seed carried over, false for a problem the synthesizer wrote",
+        ),
+        (
+            "seed_id",
+            pa.string(),
+            "the seed a synthesized problem was written from (a seed: its own id)",
+        ),
+        ("model", pa.string(), "the synthesizer model (null for seeds)"),
     ]
 )
 
 SCALE = pa.struct([("name", pa.string()), ("value", pa.int64())])
 
-TEST_INPUTS = pa.schema(
+TEST_INPUTS = contract(
     [
-        ("problem_id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("inputs", pa.list_(pa.string())),
-        ("generated", pa.int64()),
-        ("valid", pa.int64()),
-        ("kept", pa.int64()),
-        ("largest_ok_scale", pa.list_(SCALE)),
-        ("generator", pa.string()),
-        ("parse_error", pa.string()),
-        ("errors", pa.list_(pa.string())),
-        ("model", pa.string()),
+        ("problem_id", pa.string(), "the code problem"),
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "always code"),
+        (
+            "inputs",
+            pa.list_(pa.string()),
+            "the kept test inputs (stdin texts), de-duplicated; examples first",
+        ),
+        ("generated", pa.int64(), "inputs the generator produced over the scale grid"),
+        ("valid", pa.int64(), "generated inputs the validator accepted"),
+        ("kept", pa.int64(), "inputs kept after de-duplication (and the target)"),
+        (
+            "largest_ok_scale",
+            pa.list_(SCALE),
+            "the largest scale values the generator ran at without error",
+        ),
+        (
+            "generator",
+            pa.string(),
+            "the model-written generate_test_input/validate_test_input program",
+        ),
+        (
+            "parse_error",
+            pa.string(),
+            "why no program could be read from the completion (null: one was)",
+        ),
+        (
+            "errors",
+            pa.list_(pa.string()),
+            "errors of generator or validator runs, one per failed run",
+        ),
+        ("model", pa.string(), "the model that wrote the generator"),
     ]
 )
 
-CANDIDATE_SOLUTIONS = pa.schema(
+CANDIDATE_SOLUTIONS = contract(
     [
-        ("id", pa.string()),
-        ("problem_id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("candidate_index", pa.int64()),
-        ("text", pa.string()),
-        ("program", pa.string()),
-        ("answer", pa.string()),
-        ("parse_error", pa.string()),
-        ("finish_reason", pa.string()),
-        ("completion_tokens", pa.int64()),
-        ("model", pa.string()),
+        ("id", pa.string(), "candidate id"),
+        ("problem_id", pa.string(), "the problem it answers"),
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "math or code"),
+        ("candidate_index", pa.int64(), "its index among the problem's samples, from 0"),
+        ("text", pa.string(), "the full long-CoT completion"),
+        ("program", pa.string(), "code: the last fenced code block (null if none)"),
+        ("answer", pa.string(), "math: the last \\boxed{} answer (null if none)"),
+        ("parse_error", pa.string(), "why no program or answer could be read (null: one was)"),
+        ("finish_reason", pa.string(), "stop, length or eos"),
+        ("completion_tokens", pa.int64(), "tokens the model generated for it"),
+        ("model", pa.string(), "the solver model"),
     ]
 )
 
@@ -113,19 +195,31 @@ CANDIDATE_VERDICT = pa.struct(
     ]
 )
 
-VERIFIED_OUTPUTS = pa.schema(
+VERIFIED_OUTPUTS = contract(
     [
-        ("problem_id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("verified", pa.bool_()),
-        ("reason", pa.string()),
-        ("label_source", pa.string()),  # "majority", "oracle" or "given" (seed answer)
-        ("agreement", pa.float64()),
-        ("answer", pa.string()),
-        ("inputs", pa.list_(pa.string())),
-        ("labels", pa.list_(pa.string())),
-        ("candidates", pa.list_(CANDIDATE_VERDICT)),
+        ("problem_id", pa.string(), "the problem"),
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "math or code"),
+        ("verified", pa.bool_(), "labels were decided (seeds: always, by their oracle or answer)"),
+        ("reason", pa.string(), "why the problem is not verified (null when it is)"),
+        (
+            "label_source",
+            pa.string(),
+            "majority (candidates voted), oracle (a seed's program) or given (a seed's answer)",
+        ),
+        (
+            "agreement",
+            pa.float64(),
+            "share of candidates that agree with the label (majority: the vote's share)",
+        ),
+        ("answer", pa.string(), "math: the verified answer"),
+        ("inputs", pa.list_(pa.string()), "code: the test inputs"),
+        ("labels", pa.list_(pa.string()), "code: the verified output for each input"),
+        (
+            "candidates",
+            pa.list_(CANDIDATE_VERDICT),
+            "per candidate: agrees, run status, answer, wall and CPU seconds, peak memory",
+        ),
     ]
 )
 
@@ -143,208 +237,237 @@ VERIFICATION_INFO = pa.struct(
     ]
 )
 
-VERIFIED_SOLUTIONS = pa.schema(
+VERIFIED_SOLUTIONS = contract(
     [
-        ("id", pa.string()),
-        ("problem_id", pa.string()),
-        ("candidate_id", pa.string()),
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("problem", pa.string()),
-        ("solution", pa.string()),
-        ("program", pa.string()),
-        ("answer", pa.string()),
-        ("messages", pa.list_(MESSAGE)),
-        ("verification_info", VERIFICATION_INFO),
-        ("agreement", pa.float64()),
-        ("label_source", pa.string()),
-        ("cpu_s", pa.float64()),
-        ("model", pa.string()),
+        ("id", pa.string(), "solution id"),
+        ("problem_id", pa.string(), "the problem"),
+        ("candidate_id", pa.string(), "the agreeing candidate it was made from"),
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "math or code"),
+        ("problem", pa.string(), "the problem statement"),
+        ("solution", pa.string(), "the long-CoT text"),
+        ("program", pa.string(), "code: the program"),
+        ("answer", pa.string(), "math: the final answer"),
+        (
+            "messages",
+            pa.list_(MESSAGE),
+            "the chat (user problem, assistant solution) for SFT trainers",
+        ),
+        ("verification_info", VERIFICATION_INFO, "code: the test cases in open-r1's layout"),
+        ("agreement", pa.float64(), "the problem's candidate agreement"),
+        ("label_source", pa.string(), "majority, oracle or given (see verified_outputs)"),
+        ("cpu_s", pa.float64(), "code: CPU seconds of its runs on the test inputs"),
+        ("model", pa.string(), "the solver model"),
     ]
 )
 
 # -- rStar-Math: search, preference pairs, SFT data, checkpoints ------------------------
 
 # One node of a search tree (rstar_pipelines.math.tree.Node.row).
+SEED_COLUMN = ("seed_id", pa.string(), "the seed it descends from: its side of the held-out split")
+
 NODE = pa.struct(
     [
         ("node_id", pa.string()),
         ("parent_id", pa.string()),
         ("depth", pa.int64()),
         ("text", pa.string()),
-        ("kind", pa.string()),  # root, code, text (no code: a box without answer), answer,
-        # or a failure sentinel
+        ("kind", pa.string()),
         ("observation", pa.string()),
         ("terminal", pa.bool_()),
         ("final_answer", pa.string()),
         ("correct", pa.bool_()),
         ("visits", pa.int64()),
         ("q", pa.float64()),
-        ("value", pa.float64()),  # the first value the node was given (PPM or reward)
-        # Tokens the policy generated for this step (null: the root, or a tree stored
-        # before nodes counted them).
+        ("value", pa.float64()),
         ("completion_tokens", pa.int64()),
     ]
 )
 
+NODE_COLUMNS = {
+    "node_id": "the node's dotted tag: the root is 0, its children 0.1, 0.2, ...",
+    "parent_id": "the parent node (null: the root)",
+    "depth": "steps from the root",
+    "text": "the step as the policy wrote it, with its code's output",
+    "kind": "root, code, text (a step whose box gives no answer: no code), answer, or a failure",
+    "observation": "the output of the step's code in the sandbox",
+    "terminal": "the node ends a trajectory",
+    "final_answer": "a terminal's answer",
+    "correct": "an answer matches the verified answer (null: searched without one, to evaluate)",
+    "visits": "backups it received (terminal rewards, and the PPM's first value)",
+    "q": "its Q-value after the search",
+    "value": "the first value it was given (PPM or reward)",
+    "completion_tokens": "tokens the policy generated for the step (null: the root)",
+}
 
-MCTS_NODES = pa.schema(
+MCTS_NODES = contract(
     [
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("question", pa.string()),
-        ("gold_answer", pa.string()),
-        *[(f.name, f.type) for f in NODE],
-        ("model", pa.string()),
+        ("problem_id", pa.string(), "the problem the tree searched"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("question", pa.string(), "the problem statement"),
+        ("gold_answer", pa.string(), "the verified answer the terminals are scored against"),
+        *[(f.name, f.type, NODE_COLUMNS[f.name]) for f in NODE],
+        ("model", pa.string(), "the policy that generated the steps"),
     ]
 )
 
-MCTS_TRAJECTORIES = pa.schema(
+MCTS_TRAJECTORIES = contract(
     [
-        ("id", pa.string()),
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("leaf_id", pa.string()),
-        ("steps", pa.list_(pa.string())),
-        ("q_values", pa.list_(pa.float64())),
-        ("final_answer", pa.string()),
-        ("correct", pa.bool_()),
-        ("mean_q", pa.float64()),
-        ("min_q", pa.float64()),
-        ("model", pa.string()),
+        ("id", pa.string(), "trajectory id"),
+        ("problem_id", pa.string(), "the problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("leaf_id", pa.string(), "the terminal node it ends at"),
+        ("steps", pa.list_(pa.string()), "the steps from the root's child to the leaf"),
+        ("q_values", pa.list_(pa.float64()), "each step's Q-value after the search"),
+        ("final_answer", pa.string(), "the answer it ends with"),
+        ("correct", pa.bool_(), "the final answer matches the verified answer"),
+        ("mean_q", pa.float64(), "mean of the steps' Q-values"),
+        ("min_q", pa.float64(), "smallest of the steps' Q-values"),
+        ("model", pa.string(), "the policy"),
     ]
 )
 
 # TRL's reward-model layout (prompt, chosen, rejected, margin) plus where each pair came from.
-PPM_PAIRS = pa.schema(
+PPM_PAIRS = contract(
     [
-        ("id", pa.string()),
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("kind", pa.string()),  # "step" or "final"
-        ("node_id", pa.string()),
-        ("prompt", pa.string()),
-        ("chosen", pa.string()),
-        ("rejected", pa.string()),
-        ("margin", pa.float64()),
-        ("chosen_step", pa.string()),
-        ("rejected_step", pa.string()),
-        ("chosen_q", pa.float64()),
-        ("rejected_q", pa.float64()),
-        ("pos_count", pa.int64()),
-        ("neg_count", pa.int64()),
-        ("edit_distance", pa.int64()),
+        ("id", pa.string(), "pair id"),
+        ("problem_id", pa.string(), "the problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("kind", pa.string(), "step (sibling steps) or final (whole trajectories)"),
+        ("node_id", pa.string(), "the parent node whose children are compared"),
+        ("prompt", pa.string(), "the question and the steps before the compared ones"),
+        ("chosen", pa.string(), "the preferred continuation"),
+        ("rejected", pa.string(), "the other continuation"),
+        ("margin", pa.float64(), "chosen Q minus rejected Q"),
+        ("chosen_step", pa.string(), "the chosen step alone"),
+        ("rejected_step", pa.string(), "the rejected step alone"),
+        ("chosen_q", pa.float64(), "Q-value of the chosen step"),
+        ("rejected_q", pa.float64(), "Q-value of the rejected step"),
+        (
+            "pos_count",
+            pa.int64(),
+            "positive steps under the parent (the loss weights by 1/(pos·neg))",
+        ),
+        ("neg_count", pa.int64(), "negative steps under the parent"),
+        ("edit_distance", pa.int64(), "edit distance between the two steps"),
     ]
 )
 
-SFT_DATASET = pa.schema(
+SFT_DATASET = contract(
     [
-        ("id", pa.string()),
-        ("source", pa.string()),  # "mcts" or "verified_solutions"
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("domain", pa.string()),
-        ("messages", pa.list_(MESSAGE)),
-        ("mean_q", pa.float64()),
-        ("min_q", pa.float64()),
+        ("id", pa.string(), "example id"),
+        ("source", pa.string(), "mcts (a top trajectory) or verified_solutions"),
+        ("problem_id", pa.string(), "the problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("domain", pa.string(), "math or code"),
+        ("messages", pa.list_(MESSAGE), "the chat the policy is fine-tuned on"),
+        ("mean_q", pa.float64(), "mcts: the trajectory's mean Q-value"),
+        ("min_q", pa.float64(), "mcts: the trajectory's smallest Q-value"),
     ]
 )
 
 # -- rStar2-Agent: GRPO-RoC ---------------------------------------------------------------
 
-# What a grpo training job reads: one problem per row (`id` is the problem's id) and the chat
-# its rollouts start from.
-GRPO_ROC_DATA = pa.schema(
+# What a grpo training job reads: one problem per row and the chat its rollouts start from.
+GRPO_ROC_DATA = contract(
     [
-        ("id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("batch", pa.string()),
-        ("domain", pa.string()),
-        ("question", pa.string()),
-        ("answer", pa.string()),
-        ("inputs", pa.list_(pa.string())),
-        ("labels", pa.list_(pa.string())),
-        ("prompt", pa.list_(MESSAGE)),
+        ("id", pa.string(), "the problem's id"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("domain", pa.string(), "math or code"),
+        ("question", pa.string(), "the problem statement"),
+        ("answer", pa.string(), "math: the verified answer the reward checks"),
+        ("inputs", pa.list_(pa.string()), "code: the verified test inputs"),
+        ("labels", pa.list_(pa.string()), "code: the verified outputs of the inputs"),
+        ("prompt", pa.list_(MESSAGE), "the system and user messages a rollout starts from"),
     ]
 )
 
-# The GRPO-RoC policy on the held-out problems: one row per problem and method ("greedy": one
-# turn, no tool run; "tool": the training rollouts' turns with the Python tool), graded by the
+# The GRPO-RoC policy on the held-out problems, one row per problem and method, graded by the
 # training reward.
-GRPO_EVAL = pa.schema(
+GRPO_EVAL = contract(
     [
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("domain", pa.string()),
-        ("gold_answer", pa.string()),  # math only
-        ("method", pa.string()),
-        ("answer", pa.string()),  # math: the final turn's answer
-        ("correct", pa.bool_()),
-        ("turns", pa.int64()),
-        ("tool_calls", pa.int64()),
-        ("tool_errors", pa.int64()),
-        ("tokens", pa.int64()),
-        ("seconds", pa.float64()),  # kept from when it was computed
-        ("policy", pa.string()),
+        ("problem_id", pa.string(), "the held-out problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("domain", pa.string(), "math or code"),
+        ("gold_answer", pa.string(), "math: the verified answer (it grades, never generates)"),
+        ("method", pa.string(), "greedy (one turn, no tool run) or tool (its rollouts' turns)"),
+        ("answer", pa.string(), "math: the final turn's answer"),
+        ("correct", pa.bool_(), "the training reward: math-verify, or the verified tests"),
+        ("turns", pa.int64(), "assistant turns"),
+        ("tool_calls", pa.int64(), "tool calls answered"),
+        ("tool_errors", pa.int64(), "tool calls whose run did not end ok"),
+        ("tokens", pa.int64(), "model tokens over all turns"),
+        ("seconds", pa.float64(), "wall seconds, kept from when it was computed"),
+        ("policy", pa.string(), "the GRPO-RoC checkpoint evaluated"),
     ]
 )
 
-CHECKPOINT = pa.schema(
+CHECKPOINT = contract(
     [
-        ("id", pa.string()),
-        ("job", pa.string()),  # "ppm", "sft" or "grpo"
-        ("round", pa.int64()),
-        ("path", pa.string()),
-        ("base_model", pa.string()),
-        ("examples", pa.int64()),
-        ("heldout_examples", pa.int64()),
-        ("steps", pa.int64()),
-        ("final_loss", pa.float64()),
-        ("heldout_accuracy", pa.float64()),
-        ("train_accuracy_before", pa.float64()),
-        ("train_accuracy_after", pa.float64()),
-        ("mean_reward_first", pa.float64()),  # grpo: the first and last steps' mean reward
-        ("mean_reward_last", pa.float64()),
-        ("seconds", pa.float64()),
-        ("run_id", pa.string()),
-    ]
+        ("id", pa.string(), "the checkpoint's directory name (the run id)"),
+        ("job", pa.string(), "ppm, sft or grpo"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("path", pa.string(), "the checkpoint: a Hugging Face directory"),
+        ("base_model", pa.string(), "the model training started from"),
+        ("examples", pa.int64(), "training examples (ppm: pairs; grpo: problems)"),
+        ("heldout_examples", pa.int64(), "examples held out for evaluation"),
+        ("steps", pa.int64(), "training steps"),
+        ("final_loss", pa.float64(), "the last optimizer step's loss (null: no update was made)"),
+        ("heldout_accuracy", pa.float64(), "ppm: pairwise accuracy on the held-out pairs"),
+        (
+            "train_accuracy_before",
+            pa.float64(),
+            "ppm: pairwise accuracy on the training pairs before training",
+        ),
+        (
+            "train_accuracy_after",
+            pa.float64(),
+            "ppm: pairwise accuracy on the training pairs after training",
+        ),
+        ("mean_reward_first", pa.float64(), "grpo: mean reward of the first step's rollouts"),
+        ("mean_reward_last", pa.float64(), "grpo: mean reward of the last step's rollouts"),
+        ("seconds", pa.float64(), "wall seconds of the training process"),
+        ("run_id", pa.string(), "the Dagster run that trained it"),
+    ],
+    artifact_column="path",
 )
 
-MCTS_EVAL = pa.schema(
+MCTS_EVAL = contract(
     [
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("gold_answer", pa.string()),  # read only to score the picks below, never by a search
-        ("greedy_answer", pa.string()),
-        ("best_q_answer", pa.string()),  # null without a PPM: nothing values the answers
-        ("majority_answer", pa.string()),  # over the top-k answers by Q, or all without a PPM
-        ("greedy_correct", pa.bool_()),
-        ("best_q_correct", pa.bool_()),
-        ("majority_correct", pa.bool_()),
-        ("search_any_correct", pa.bool_()),  # some answer the search found is right (an oracle)
-        ("search_answers", pa.int64()),
-        ("answers_valued_by_ppm", pa.int64()),
-        ("search_nodes", pa.int64()),
+        ("problem_id", pa.string(), "the held-out problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("gold_answer", pa.string(), "the verified answer: it scores the picks, no search sees it"),
+        ("greedy_answer", pa.string(), "the policy's answer with greedy decoding"),
+        ("best_q_answer", pa.string(), "the search's answer with the highest Q (null: no PPM)"),
+        ("majority_answer", pa.string(), "the vote over the top answers by Q (no PPM: all)"),
+        ("greedy_correct", pa.bool_(), "greedy answer matches the gold answer"),
+        ("best_q_correct", pa.bool_(), "best-Q answer matches the gold answer (null: no PPM)"),
+        ("majority_correct", pa.bool_(), "voted answer matches the gold answer"),
+        ("search_any_correct", pa.bool_(), "some answer the search found is right (an oracle)"),
+        ("search_answers", pa.int64(), "answers the search found"),
+        ("answers_valued_by_ppm", pa.int64(), "of those, answers the PPM gave a value"),
+        ("search_nodes", pa.int64(), "nodes of the search tree"),
         # What each method cost on the problem: tokens generated, and wall seconds (the
         # search's own time, without loading the models; kept from when it was computed).
-        ("greedy_tokens", pa.int64()),
-        ("search_tokens", pa.int64()),
-        ("greedy_seconds", pa.float64()),
-        ("search_seconds", pa.float64()),
-        ("policy", pa.string()),
-        ("ppm", pa.string()),
+        ("greedy_tokens", pa.int64(), "tokens greedy decoding generated"),
+        ("search_tokens", pa.int64(), "tokens the search generated"),
+        ("greedy_seconds", pa.float64(), "wall seconds of greedy decoding"),
+        ("search_seconds", pa.float64(), "wall seconds of the search, without loading models"),
+        ("policy", pa.string(), "the policy checkpoint evaluated"),
+        ("ppm", pa.string(), "the PPM checkpoint that guided the search (null: none)"),
     ]
 )
 
@@ -364,81 +487,94 @@ DSER_STATE = pa.struct(
     ]
 )
 
-DSER_EVAL = pa.schema(
+DSER_EVAL = contract(
     [
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),
-        ("batch", pa.string()),
-        ("round", pa.int64()),
-        ("domain", pa.string()),
-        ("gold_answer", pa.string()),  # math only
-        ("vote_answer", pa.string()),
-        ("vote_correct", pa.bool_()),
-        ("states", pa.list_(DSER_STATE)),
+        ("problem_id", pa.string(), "the held-out problem"),
+        SEED_COLUMN,
+        ("batch", pa.string(), "the seed batch"),
+        ("round", pa.int64(), "the self-evolution round"),
+        ("domain", pa.string(), "math or code"),
+        ("gold_answer", pa.string(), "math: the verified answer"),
+        ("vote_answer", pa.string(), "the vote over the chains' last states"),
+        ("vote_correct", pa.bool_(), "the voted answer is correct"),
+        (
+            "states",
+            pa.list_(DSER_STATE),
+            "every chain's states: iteration, text, answer, self-verdict, correctness, tokens",
+        ),
         # Transitions between consecutive states of every chain (C: correct, I: incorrect),
         # and the two-state Markov chain they estimate: p_improve = P(I->C), p_degrade =
         # P(C->I), predicted accuracy = its stationary P(C) (null where a count is 0).
-        ("transitions_cc", pa.int64()),
-        ("transitions_ci", pa.int64()),
-        ("transitions_ic", pa.int64()),
-        ("transitions_ii", pa.int64()),
-        ("p_improve", pa.float64()),
-        ("p_degrade", pa.float64()),
-        ("predicted_accuracy", pa.float64()),
-        ("observed_accuracy", pa.float64()),  # correct states among those the vote pools
-        ("tokens", pa.int64()),
-        ("calls", pa.int64()),
-        ("seconds", pa.float64()),  # kept from when it was computed
-        ("policy", pa.string()),
+        ("transitions_cc", pa.int64(), "consecutive states correct -> correct"),
+        ("transitions_ci", pa.int64(), "consecutive states correct -> incorrect"),
+        ("transitions_ic", pa.int64(), "consecutive states incorrect -> correct"),
+        ("transitions_ii", pa.int64(), "consecutive states incorrect -> incorrect"),
+        ("p_improve", pa.float64(), "estimated P(incorrect -> correct) (null: no incorrect state)"),
+        ("p_degrade", pa.float64(), "estimated P(correct -> incorrect) (null: no correct state)"),
+        ("predicted_accuracy", pa.float64(), "stationary P(correct) of the two-state Markov chain"),
+        ("observed_accuracy", pa.float64(), "correct states among those the vote pools"),
+        ("tokens", pa.int64(), "tokens generated for the problem"),
+        ("calls", pa.int64(), "LLM calls made for the problem"),
+        ("seconds", pa.float64(), "wall seconds, kept from when it was computed"),
+        ("policy", pa.string(), "the policy checkpoint evaluated"),
     ]
 )
 
-EVAL_COMPARISON = pa.schema(
+EVAL_COMPARISON = contract(
     [
-        ("round", pa.int64()),
-        ("checkpoint", pa.string()),  # policy, policy+ppm, grpo_roc or attn_gates
-        ("method", pa.string()),
-        ("problems", pa.int64()),
-        ("accuracy", pa.float64()),
-        ("tokens_per_problem", pa.float64()),
-        ("seconds_per_problem", pa.float64()),
-        ("model", pa.string()),  # what generated: the checkpoint's model id
+        ("round", pa.int64(), "the self-evolution round"),
+        ("checkpoint", pa.string(), "policy, policy+ppm, grpo_roc or attn_gates"),
+        ("method", pa.string(), "how it was evaluated (docs/evaluation.md)"),
+        ("problems", pa.int64(), "held-out math problems all the evaluations share"),
+        ("accuracy", pa.float64(), "share of those problems answered correctly"),
+        ("tokens_per_problem", pa.float64(), "mean tokens generated per problem"),
+        ("seconds_per_problem", pa.float64(), "mean wall seconds per problem"),
+        ("model", pa.string(), "what generated: the checkpoint's model id"),
     ]
 )
 
 # -- SeerAttention-R: gate self-distillation --------------------------------------------
 
-GATE_DISTILL_DATA = pa.schema(
+GATE_DISTILL_DATA = contract(
     [
-        ("id", pa.string()),
-        ("source", pa.string()),  # "verified_solutions", "seed_problems" or "file"
-        ("problem_id", pa.string()),
-        ("seed_id", pa.string()),  # the seed it descends from: its side of the split
-        ("domain", pa.string()),
+        ("id", pa.string(), "text id"),
+        ("source", pa.string(), "verified_solutions, seed_problems or file"),
+        ("problem_id", pa.string(), "the problem it came from (null: a file's text)"),
+        SEED_COLUMN,
+        ("domain", pa.string(), "math or code (null: a file's text)"),
         # Exactly one of the two: a plain text, or chat messages that the trainer renders
         # with the base model's own chat template.
-        ("text", pa.string()),
-        ("messages", pa.list_(MESSAGE)),
+        ("text", pa.string(), "a plain text (null when messages is set)"),
+        (
+            "messages",
+            pa.list_(MESSAGE),
+            "chat messages the trainer renders with the model's template",
+        ),
     ]
 )
 
-GATE_CHECKPOINT = pa.schema(
+GATE_CHECKPOINT = contract(
     [
-        ("id", pa.string()),
-        ("path", pa.string()),  # a SeerGates directory: gate_config.json + safetensors
-        ("base_model", pa.string()),
-        ("examples", pa.int64()),
-        ("heldout_examples", pa.int64()),
-        ("steps", pa.int64()),
-        ("final_loss", pa.float64()),
-        ("block_size", pa.int64()),
-        ("gate_dim", pa.int64()),
-        ("topk_blocks", pa.int64()),
-        ("heldout_recall_before", pa.float64()),  # the untrained gates
-        ("heldout_recall_after", pa.float64()),
-        ("seconds", pa.float64()),
-        ("run_id", pa.string()),
-    ]
+        ("id", pa.string(), "the checkpoint's directory name (the run id)"),
+        ("path", pa.string(), "the SeerGates directory: gate_config.json and safetensors"),
+        ("base_model", pa.string(), "the frozen model the gates were distilled from"),
+        ("examples", pa.int64(), "training texts"),
+        ("heldout_examples", pa.int64(), "held-out texts"),
+        ("steps", pa.int64(), "training steps"),
+        ("final_loss", pa.float64(), "the last step's distillation loss"),
+        ("block_size", pa.int64(), "tokens per key block"),
+        ("gate_dim", pa.int64(), "the gates' hidden size"),
+        ("topk_blocks", pa.int64(), "blocks the recall figures keep"),
+        (
+            "heldout_recall_before",
+            pa.float64(),
+            "held-out top-k block recall of the untrained gates",
+        ),
+        ("heldout_recall_after", pa.float64(), "held-out top-k block recall after training"),
+        ("seconds", pa.float64(), "wall seconds of the training process"),
+        ("run_id", pa.string(), "the Dagster run that trained it"),
+    ],
+    artifact_column="path",
 )
 
 GATE_ANSWER = pa.struct(
@@ -455,19 +591,19 @@ GATE_ANSWER = pa.struct(
 
 # The gates against dense attention on the held-out split: one row for dense decoding and one per
 # token budget. KL and agreement are means over every teacher-forced decode step of the texts.
-ATTN_GATE_EVAL = pa.schema(
+ATTN_GATE_EVAL = contract(
     [
-        ("setting", pa.string()),  # "dense" or "budget N"
-        ("token_budget", pa.int64()),
-        ("texts", pa.int64()),
-        ("decode_steps", pa.int64()),
-        ("kl", pa.float64()),  # KL(dense || sparse) of the next-token distributions
-        ("top1_agreement", pa.float64()),
-        ("math_problems", pa.int64()),
-        ("answer_accuracy", pa.float64()),  # greedy answers to the held-out math problems
-        ("answer_agreement_with_dense", pa.float64()),
-        ("answers", pa.list_(GATE_ANSWER)),
-        ("gates", pa.string()),
-        ("base_model", pa.string()),
+        ("setting", pa.string(), "dense, or budget <n> (sparse decoding with n tokens)"),
+        ("token_budget", pa.int64(), "tokens a sparse decode step reads (null: dense)"),
+        ("texts", pa.int64(), "held-out texts decoded under teacher forcing"),
+        ("decode_steps", pa.int64(), "decode steps over those texts"),
+        ("kl", pa.float64(), "mean KL(dense || sparse) of the next-token distributions"),
+        ("top1_agreement", pa.float64(), "share of steps whose most likely token is dense's"),
+        ("math_problems", pa.int64(), "held-out math problems answered greedily"),
+        ("answer_accuracy", pa.float64(), "share of them answered correctly"),
+        ("answer_agreement_with_dense", pa.float64(), "share answered as dense decoding does"),
+        ("answers", pa.list_(GATE_ANSWER), "per problem: answer, correct, tokens, seconds"),
+        ("gates", pa.string(), "the attn_gate_checkpoint directory"),
+        ("base_model", pa.string(), "the model the gates were distilled from"),
     ]
 )

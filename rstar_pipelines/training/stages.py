@@ -22,6 +22,8 @@ from pydantic import Field
 from rstar_pipelines import settings
 from rstar_pipelines.pipeline.plots import line_plot
 from rstar_pipelines.pipeline.stage import (
+    CheckOutcome,
+    CheckSpec,
     Stage,
     StageContext,
     StageInputError,
@@ -52,6 +54,15 @@ class TrainingStage(Stage):
 
     schema = schemas.CHECKPOINT
     kinds = frozenset({"pytorch"})
+    checks = (
+        CheckSpec(
+            "made_updates",
+            "Training changed the model: at least one optimizer step was taken (every step "
+            "skipped leaves the base model as it was).",
+            blocking=False,
+            warn=True,
+        ),
+    )
     job: ClassVar[str]
     data_input: ClassVar[str]
     # How to get training data when data_input is empty.
@@ -109,9 +120,17 @@ class TrainingStage(Stage):
         row = {"id": out.name, **self._row(out, base, m), "run_id": ctx.run_id}
         shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
         losses = m["losses"]
+        updates = len(losses)  # one loss per optimizer step taken
         return StageResult(
             table=pa.Table.from_pylist([row], schema=self.schema),
             metadata={**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")},
+            checks=[
+                CheckOutcome(
+                    "made_updates",
+                    passed=updates > 0,
+                    metadata={"optimizer_updates": updates, "steps": m["steps"]},
+                )
+            ],
         )
 
     def _row(self, out: Path, base: str, m: dict[str, Any]) -> dict[str, Any]:

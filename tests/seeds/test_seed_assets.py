@@ -1,21 +1,12 @@
 import json
+import logging
 import shutil
 
 import dagster as dg
 
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.storage import query, read_table
-from tests.conftest import DEMO_SEEDS, dagster_cli
-
-
-def _materialize_seeds(defs, instance, batch):
-    return dg.materialize(
-        list(defs.assets),
-        selection=["seed_problems", "seed_rejects"],
-        partition_key=batch,
-        instance=instance,
-        resources=dict(defs.resources),
-    )
+from tests.conftest import DEMO_SEEDS, dagster_cli, materialize_seeds
 
 
 def _metadata_by_asset(result) -> dict:
@@ -30,7 +21,7 @@ def test_demo_batch_through_dagster_api(incoming, isolated_dirs):
     defs = build_definitions(load_spec())
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["demo"])
-        result = _materialize_seeds(defs, instance, "demo")
+        result = materialize_seeds(defs, instance, "demo")
         assert result.success
         events = _metadata_by_asset(result)
         problems = events["seed_problems"]
@@ -60,7 +51,7 @@ def test_malformed_batch_keeps_good_rows_and_reports_rejects(incoming):
     defs = build_definitions(load_spec())
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["messy"])
-        result = _materialize_seeds(defs, instance, "messy")
+        result = materialize_seeds(defs, instance, "messy")
         assert result.success
         md = _metadata_by_asset(result)
         assert md["seed_problems"]["kept_rows"].value == 1
@@ -102,3 +93,21 @@ def test_dagster_cli_materializes_the_demo_partition(incoming, isolated_dirs):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "RUN_SUCCESS" in proc.stderr
     assert read_table(isolated_dirs / "lake" / "seed_problems" / "demo.parquet").num_rows > 30
+
+
+def test_an_empty_seed_file_is_ingested_with_a_warning(incoming):
+    (incoming / "empty.jsonl").write_text("")
+    defs = build_definitions(load_spec())
+    with dg.instance_for_test() as instance:
+        instance.add_dynamic_partitions("seed_batches", ["empty"])
+        result = materialize_seeds(defs, instance, "empty")
+        assert result.success
+        warnings = [
+            e.message
+            for e in instance.all_logs(result.run_id)
+            if e.level == logging.WARNING and "empty.jsonl is empty" in e.message
+        ]
+    metadata = _metadata_by_asset(result)["seed_problems"]
+    assert metadata["kept_rows"].value == 0 and metadata["dagster/row_count"].value == 0
+    assert metadata["warnings"].value == ["empty.jsonl is empty: the batch has no problems"]
+    assert len(warnings) == 1

@@ -139,7 +139,9 @@ def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
             resources=dict(defs.resources),
         )
         assert result.success
-        [check] = result.get_asset_check_evaluations()
+        [check] = [
+            c for c in result.get_asset_check_evaluations() if c.check_name == "no_heldout_problems"
+        ]
         assert (check.check_name, check.passed) == ("no_heldout_problems", True)
         assert check.metadata["rows_without_a_problem"].value == 1  # the file's text
         event = instance.get_latest_materialization_event(dg.AssetKey("attn_gate_checkpoint"))
@@ -160,7 +162,8 @@ def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
     assert (row["examples"], row["heldout_examples"]) == (6, 1)  # 7 texts, 20% held out
     assert (row["block_size"], row["gate_dim"], row["topk_blocks"]) == (16, 64, 4)
     assert math.isfinite(row["final_loss"])
-    assert 0 <= row["heldout_recall_before"] <= 1 and 0 <= row["heldout_recall_after"] <= 1
+    # Distillation raises the held-out recall of the fresh gates' top-k blocks.
+    assert row["heldout_recall_after"] > row["heldout_recall_before"]
     gates = SeerGates.load(row["path"])
     assert (gates.config.family, gates.config.num_layers, gates.config.base_model) == (
         "llama",
