@@ -198,6 +198,42 @@ def sandbox_run(
     sys.exit(0 if result.ok else 1)
 
 
+@sandbox.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8790, show_default=True)
+@click.option("--backend", default="auto", type=click.Choice(["auto", "docker", "process"]))
+@click.option("--workers", type=int, help="Pool size (default: the number of CPUs).")
+@click.option(
+    "--max-queue", type=int, help="Jobs admitted at once; more get 429 (default: 256 per worker)."
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding the bearer token clients must send (default: RSTAR_SANDBOX_TOKEN).",
+)
+def sandbox_serve(
+    host: str,
+    port: int,
+    backend: str,
+    workers: int | None,
+    max_queue: int | None,
+    token_file: Path | None,
+) -> None:
+    """Serve the sandbox pool over HTTP (a batch endpoint, /health, /metrics). Bound
+    beyond loopback it requires a token."""
+    from rstar_sandbox import Sandbox
+    from rstar_sandbox.http_client import TOKEN_ENV
+    from rstar_sandbox.service import SandboxService, is_loopback, serve
+
+    token = token_file.read_text().strip() if token_file else os.environ.get(TOKEN_ENV)
+    if not is_loopback(host) and not token:
+        raise click.ClickException(
+            f"refusing to serve on {host} without a token: set {TOKEN_ENV} or --token-file"
+        )
+    with Sandbox(backend=backend, workers=workers) as sb:
+        serve(SandboxService(sb, max_queue=max_queue, token=token or None), host, port)
+
+
 @sandbox.command("bench")
 @click.option("--backend", default="auto", type=click.Choice(["auto", "docker", "process"]))
 @click.option("--workers", type=int, help="Pool size (default: the number of CPUs).")

@@ -9,10 +9,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from upath import UPath
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 DATA_DIR_ENV = "RSTAR_DATA_DIR"
 ASSETS_DIR_ENV = "RSTAR_ASSETS_DIR"
+LAKE_URL_ENV = "RSTAR_LAKE_URL"
 
 
 def data_dir() -> Path:
@@ -20,8 +23,11 @@ def data_dir() -> Path:
     return Path(os.environ.get(DATA_DIR_ENV, "data")).resolve()
 
 
-def lake_dir() -> Path:
-    return data_dir() / "lake"
+def lake_dir() -> UPath:
+    """Where the Parquet lake lives: RSTAR_LAKE_URL (any fsspec URL: an NFS path,
+    s3://bucket/lake, ...), else `<data dir>/lake`."""
+    url = os.environ.get(LAKE_URL_ENV)
+    return UPath(url) if url else UPath(data_dir() / "lake")
 
 
 def assets_dir() -> Path:

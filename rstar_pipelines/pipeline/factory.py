@@ -13,8 +13,8 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 
-from rstar_pipelines import settings
 from rstar_pipelines.partitions import PARTITIONINGS
+from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
 
@@ -145,7 +145,9 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
-            cache_path=settings.data_dir() / "cache" / f"{decl.key}.sqlite",
+            cache_path=cache_location(
+                decl.key, context.partition_key if context.has_partition_key else None
+            ),
             cache_namespace=stage_cls.cache_namespace(),
             launcher=lambda command: dg.PipesSubprocessClient().run(
                 context=context, command=command
