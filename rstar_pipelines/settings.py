@@ -16,6 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR_ENV = "RSTAR_DATA_DIR"
 ASSETS_DIR_ENV = "RSTAR_ASSETS_DIR"
 LAKE_URL_ENV = "RSTAR_LAKE_URL"
+DEPLOYMENT_ENV = "RSTAR_DEPLOYMENT"
+DEPLOYMENTS = ("local", "hosts", "k8s")
+POSTGRES_URL_ENV = "RSTAR_POSTGRES_URL"
 
 
 def data_dir() -> Path:
@@ -47,3 +50,16 @@ def resolve_data_path(path: str | Path) -> Path:
     """A declared path: absolute as given, relative ones under the data directory."""
     path = Path(path)
     return path if path.is_absolute() else data_dir() / path
+
+
+def deployment() -> str:
+    """The deployment profile (docs/scale-out.md): local (the default), hosts or k8s."""
+    name = os.environ.get(DEPLOYMENT_ENV, "local")
+    if name not in DEPLOYMENTS:
+        raise ValueError(f"{DEPLOYMENT_ENV}={name!r}: use one of {', '.join(DEPLOYMENTS)}")
+    return name
+
+
+def postgres_url() -> str | None:
+    """The Postgres database of the `hosts` and `k8s` profiles (SQLAlchemy URL)."""
+    return os.environ.get(POSTGRES_URL_ENV) or None

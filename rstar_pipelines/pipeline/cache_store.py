@@ -25,11 +25,18 @@ CACHE_URL_ENV = "RSTAR_ITEM_CACHE_URL"
 POSTGRES_TABLE = "rstar_item_cache"
 
 
+def cache_url() -> str | None:
+    """RSTAR_ITEM_CACHE_URL, else (profiles hosts and k8s) the instance's Postgres."""
+    if os.environ.get(CACHE_URL_ENV):
+        return os.environ[CACHE_URL_ENV]
+    return settings.postgres_url() if settings.deployment() != "local" else None
+
+
 def cache_location(asset_key: str, partition_key: str | None) -> Path | str:
-    """The cache of one asset partition: RSTAR_ITEM_CACHE_URL#<asset> when that names a
-    Postgres database, else `<data dir>/cache/<asset>/<partition>.sqlite`
+    """The cache of one asset partition: `<cache_url()>#<asset>` when there is a Postgres
+    database for it, else `<data dir>/cache/<asset>/<partition>.sqlite`
     (`<asset>.sqlite` for an unpartitioned asset)."""
-    url = os.environ.get(CACHE_URL_ENV)
+    url = cache_url()
     if url:
         if not is_postgres(url):
             raise ValueError(f"{CACHE_URL_ENV} must be a postgresql:// URL, got {url!r}")

@@ -13,6 +13,7 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 
+from rstar_pipelines.deployment import run_out_of_process, step_tags
 from rstar_pipelines.partitions import PARTITIONINGS
 from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
@@ -127,6 +128,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         ins=ins,
         partitions_def=PARTITIONINGS[decl.partitioning],
         pool=decl.pool,
+        op_tags=step_tags(decl.pool),
         required_resource_keys=set(stage_cls.resources),
         description=description,
         # Selecting one output of a stage (e.g. only seed_problems) writes just that one.
@@ -149,9 +151,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
                 decl.key, context.partition_key if context.has_partition_key else None
             ),
             cache_namespace=stage_cls.cache_namespace(),
-            launcher=lambda command: dg.PipesSubprocessClient().run(
-                context=context, command=command
-            ),
+            launcher=lambda command: run_out_of_process(context, command),
         )
         try:
             result = asset.stage().run(ctx, tables)

@@ -71,7 +71,8 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
 
 @contextlib.contextmanager
 def postgres() -> Iterator[str]:
-    """A throwaway Postgres 15 cluster; yields its SQLAlchemy URL (psycopg2 driver)."""
+    """A throwaway Postgres 15 cluster; yields the SQLAlchemy URL (psycopg2 driver) of its
+    `postgres` database (tests make their own with `new_database`)."""
     initdb, pg_ctl = require("initdb"), require("pg_ctl")
     root = Path(tempfile.mkdtemp(prefix="rstar-pg-"))
     as_user: list[str] = []
@@ -92,22 +93,7 @@ def postgres() -> Iterator[str]:
         capture_output=True,
     )
     try:
-        subprocess.run(
-            [
-                *as_user,
-                str(Path(initdb).parent / "createdb"),
-                "-h",
-                "127.0.0.1",
-                "-p",
-                str(port),
-                "-U",
-                "dagster",
-                "dagster",
-            ],
-            check=True,
-            capture_output=True,
-        )
-        yield f"postgresql+psycopg2://dagster@127.0.0.1:{port}/dagster"
+        yield f"postgresql+psycopg2://dagster@127.0.0.1:{port}/postgres"
     finally:
         subprocess.run(
             [*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"],
@@ -206,3 +192,18 @@ def haproxy(backends: list[str]) -> Iterator[str]:
     finally:
         stop(proc)
         os.unlink(cfg.name)
+
+
+def new_database(url: str) -> str:
+    """A fresh, empty database on the server of `url` (one per test: no shared history)."""
+    import uuid
+
+    import psycopg2
+
+    name = f"t{uuid.uuid4().hex[:12]}"
+    conn = psycopg2.connect(url.replace("+psycopg2", ""))
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"CREATE DATABASE {name}")
+    conn.close()
+    return url.rsplit("/", 1)[0] + f"/{name}"
