@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,9 +39,8 @@ from rstar_sandbox import Job, Sandbox  # noqa: E402
 from rstar_sandbox.bench import machine  # noqa: E402
 from tests.coder.test_chain_scripted import SEEDS, scripted_spec  # noqa: E402
 from tests.scale_out import servers  # noqa: E402
-from tests.scale_out.scripted_defs import CHAIN  # noqa: E402
+from tests.scale_out.scripted_defs import CHAIN, materialize  # noqa: E402
 
-DAGSTER = str(Path(sys.executable).parent / "dagster")
 ECHO = "print(input())\n"
 
 
@@ -75,14 +73,7 @@ def chain_run(profile: str, n_code: int, postgres: str | None, broker: str | Non
         os.environ["RSTAR_POSTGRES_URL"] = env["RSTAR_POSTGRES_URL"]
         init_instance(root / "home", "hosts", scripted_spec(), {})
         for name, queues in (("gpuhost", "llm,gpu,sandbox"), ("cpuhost", "sandbox,dagster")):
-            workers.append(
-                subprocess.Popen(
-                    [str(Path(sys.executable).parent / "rstar"), "worker", "--queues", queues,
-                     "--name", name],
-                    env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    start_new_session=True,
-                )
-            )  # fmt: skip
+            workers.append(servers.celery_worker(env, name, queues))
     else:
         (root / "home").mkdir()
         (root / "home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -90,11 +81,10 @@ def chain_run(profile: str, n_code: int, postgres: str | None, broker: str | Non
         with dg.DagsterInstance.from_config(str(root / "home")) as instance:
             instance.add_dynamic_partitions("seed_batches", ["b"])
         start = time.perf_counter()
-        subprocess.run(
-            [DAGSTER, "asset", "materialize", "--select", ",".join(CHAIN), "--partition", "b",
-             "-m", "tests.scale_out.scripted_defs"],
-            env=env, cwd=REPO, check=True, capture_output=True,
-        )  # fmt: skip
+        proc = materialize(env, CHAIN, "b")
+        log = proc.communicate()[0]
+        if proc.returncode:
+            raise RuntimeError(f"the {profile} run failed:\n{log[-3000:]}")
         wall = time.perf_counter() - start
     finally:
         for proc in workers:

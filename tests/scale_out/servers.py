@@ -207,3 +207,16 @@ def new_database(url: str) -> str:
         cur.execute(f"CREATE DATABASE {name}")
     conn.close()
     return url.rsplit("/", 1)[0] + f"/{name}"
+
+
+def celery_worker(env: dict, name: str, queues: str, log: Path | None = None) -> subprocess.Popen:
+    """`rstar worker` (the `hosts` profile's Celery worker) serving `queues`, from the
+    repository root so that it imports the tests' code location."""
+    return subprocess.Popen(
+        [str(BIN / "rstar"), "worker", "--queues", queues, "--name", name],
+        env=env,
+        cwd=Path(__file__).resolve().parents[2],
+        stdout=log.open("w") if log else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

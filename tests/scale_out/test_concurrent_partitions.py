@@ -5,26 +5,17 @@ locked" and no lost cache entries."""
 from __future__ import annotations
 
 import os
-import subprocess
 from pathlib import Path
 
 import dagster as dg
 import pytest
 
 from tests.coder.test_chain_scripted import write_seeds
-from tests.conftest import DAGSTER, REPO
+from tests.scale_out.scripted_defs import materialize
 from tests.scale_out.servers import new_database
 
 ASSETS = ["seed_problems", "seed_rejects", "synthesized_problems", "candidate_solutions"]
 CACHED = ("synthesized_problems", "candidate_solutions")
-
-
-def materialize(env: dict, batch: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [DAGSTER, "asset", "materialize", "--select", ",".join(ASSETS), "--partition", batch,
-         "-m", "tests.scale_out.scripted_defs"],
-        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
 
 
 def cache_misses(instance: dg.DagsterInstance, batch: str) -> dict[str, int]:
@@ -48,7 +39,7 @@ def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_pat
     with dg.DagsterInstance.get() as instance:
         instance.add_dynamic_partitions("seed_batches", batches)
 
-    procs = [materialize(env, batch) for batch in batches]
+    procs = [materialize(env, ASSETS, batch) for batch in batches]
     logs = [proc.communicate(timeout=600)[0] for proc in procs]
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log[-5000:]
@@ -66,7 +57,7 @@ def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_pat
 
     # Again, one after the other: every item of both partitions was kept.
     for batch in batches:
-        proc = materialize(env, batch)
+        proc = materialize(env, ASSETS, batch)
         log = proc.communicate(timeout=600)[0]
         assert proc.returncode == 0, log[-5000:]
     with dg.DagsterInstance.get() as instance:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
 from pathlib import Path
 
 import dagster as dg
@@ -16,9 +15,8 @@ import dagster as dg
 from rstar_pipelines.deployment.instance import init_instance
 from rstar_pipelines.storage import read_table
 from tests.coder.test_chain_scripted import scripted_spec, write_seeds
-from tests.conftest import DAGSTER, REPO
-from tests.scale_out.scripted_defs import CHAIN, scripted_definitions
-from tests.scale_out.servers import BIN, new_database, stop
+from tests.scale_out.scripted_defs import CHAIN, materialize, scripted_definitions
+from tests.scale_out.servers import celery_worker, new_database, stop
 
 BATCHES = ("t1", "t2")
 POOLS = {a.key: a.decl.pool for a in scripted_spec().assets}
@@ -33,38 +31,6 @@ def hosts_env(tmp_path: Path, postgres: str, broker: str) -> dict[str, str]:
         "RSTAR_POSTGRES_URL": postgres,
         "RSTAR_CELERY_BROKER": broker,
     }
-
-
-def start_worker(env: dict, name: str, queues: str, log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "rstar"), "worker", "--queues", queues, "--name", name],
-        env=env,
-        cwd=REPO,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-
-
-def materialize(env: dict, batch: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            DAGSTER,
-            "asset",
-            "materialize",
-            "--select",
-            ",".join(CHAIN),
-            "--partition",
-            batch,
-            "-m",
-            "tests.scale_out.scripted_defs",
-        ],
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
 
 
 def events_of(instance: dg.DagsterInstance, run_id: str):
@@ -138,11 +104,11 @@ def test_chain_runs_across_two_celery_workers(tmp_path, monkeypatch, postgres_ur
     # A "GPU host" serving the model's queue, a "CPU host" serving the steps in no pool;
     # both serve the sandbox queue, so only the pool's limit keeps them from overlapping.
     workers = {
-        "gpuhost": start_worker(env, "gpuhost", "llm,gpu,sandbox", tmp_path / "gpuhost.log"),
-        "cpuhost": start_worker(env, "cpuhost", "sandbox,dagster", tmp_path / "cpuhost.log"),
+        "gpuhost": celery_worker(env, "gpuhost", "llm,gpu,sandbox", tmp_path / "gpuhost.log"),
+        "cpuhost": celery_worker(env, "cpuhost", "sandbox,dagster", tmp_path / "cpuhost.log"),
     }
     try:
-        runs = {batch: materialize(env, batch) for batch in BATCHES}
+        runs = {batch: materialize(env, CHAIN, batch) for batch in BATCHES}
         outputs = {batch: proc.communicate(timeout=900)[0] for batch, proc in runs.items()}
     finally:
         for proc in workers.values():
