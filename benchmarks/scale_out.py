@@ -89,10 +89,31 @@ def chain_run(profile: str, n_code: int, postgres: str | None, broker: str | Non
     finally:
         for proc in workers:
             servers.stop(proc)
+    with dg.DagsterInstance.from_config(str(root / "home")) as instance:
+        [record] = instance.get_run_records()
+        dispatch = step_dispatch_s(instance, record.dagster_run.run_id)
     outputs = read_table(root / "data" / "lake" / "verified_outputs" / "b.parquet").to_pylist()
     executions = sum(len(r["inputs"]) * len(r["candidates"]) for r in outputs if r["inputs"])
     inputs = read_table(root / "data" / "lake" / "test_inputs" / "b.parquet").to_pylist()
-    return {"wall_s": wall, "executions": executions, "test_input_rows": len(inputs)}
+    return {
+        "wall_s": wall,
+        "executions": executions,
+        "test_input_rows": len(inputs),
+        "dispatch_s": dispatch,
+    }
+
+
+def step_dispatch_s(instance: dg.DagsterInstance, run_id: str) -> float:
+    """Mean time from a step's first event (its process being launched, or its Celery
+    task being sent) to its start: what the executor costs per step."""
+    first, started = {}, {}
+    for entry in instance.all_logs(run_id):
+        if entry.step_key is None or entry.dagster_event is None:
+            continue
+        first.setdefault(entry.step_key, entry.timestamp)
+        if entry.dagster_event.event_type == dg.DagsterEventType.STEP_START:
+            started[entry.step_key] = entry.timestamp
+    return statistics.mean(started[k] - first[k] for k in started)
 
 
 def drive(sb, jobs: list[Job], threads: int, batch: int) -> float:
@@ -146,20 +167,24 @@ def main() -> None:
     if not args.skip_chain:
         with servers.postgres() as pg, servers.redis() as broker:
             walls: dict[str, list[float]] = {"local": [], "hosts": []}
+            dispatch: dict[str, list[float]] = {"local": [], "hosts": []}
             for repeat in range(args.repeats):
                 for profile in ("local", "hosts"):
                     run = chain_run(profile, args.seeds, pg, broker)
                     walls[profile].append(run["wall_s"])
+                    dispatch[profile].append(run["dispatch_s"])
                     print(
                         f"repeat {repeat + 1} {profile}: {run['wall_s']:.1f} s, "
+                        f"{run['dispatch_s']:.1f} s from launch to start per step, "
                         f"{run['executions']} verification executions, load {load()}",
                         flush=True,
                     )
         local, hosts = statistics.median(walls["local"]), statistics.median(walls["hosts"])
         steps = len(set(CHAIN) - {"seed_rejects"})
-        print("\n| profile | wall s, median (min-max) |\n| --- | --- |")
-        print(f"| local | {spread(walls['local'])} |\n| hosts (2 Celery workers) | "
-              f"{spread(walls['hosts'])} |")  # fmt: skip
+        print("\n| profile | wall s | launch to start per step, s |\n| --- | --- | --- |")
+        for profile, label in (("local", "local"), ("hosts", "hosts (2 Celery workers)")):
+            print(f"| {label} | {spread(walls[profile])} | {spread(dispatch[profile])} |")
+        print("(median (min-max) over the repeats)")
         print(
             f"\nhosts overhead: {hosts - local:+.1f} s ({(hosts - local) / local:+.1%} of local), "
             f"{(hosts - local) / steps:+.2f} s per step, "
