@@ -28,6 +28,14 @@ def cache_misses(instance: dg.DagsterInstance, batch: str) -> dict[str, int]:
     return out
 
 
+def both_at_once(env: dict, batches: list[str]) -> None:
+    procs = [materialize(env, ASSETS, batch) for batch in batches]
+    logs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, log in zip(procs, logs, strict=True):
+        assert proc.returncode == 0, log[-5000:]
+        assert "database is locked" not in log
+
+
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_path):
     env = {**os.environ}
@@ -39,11 +47,7 @@ def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_pat
     with dg.DagsterInstance.get() as instance:
         instance.add_dynamic_partitions("seed_batches", batches)
 
-    procs = [materialize(env, ASSETS, batch) for batch in batches]
-    logs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for proc, log in zip(procs, logs, strict=True):
-        assert proc.returncode == 0, log[-5000:]
-        assert "database is locked" not in log
+    both_at_once(env, batches)
     if store == "sqlite":
         for key in CACHED:
             assert sorted(p.name for p in (isolated_dirs / "cache" / key).iterdir()) == [
@@ -55,11 +59,8 @@ def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_pat
     # Real work was done (with Postgres the second partition may reuse the first's items).
     assert all(sum(first[b][key] for b in batches) > 0 for key in CACHED)
 
-    # Again, one after the other: every item of both partitions was kept.
-    for batch in batches:
-        proc = materialize(env, ASSETS, batch)
-        log = proc.communicate(timeout=600)[0]
-        assert proc.returncode == 0, log[-5000:]
+    # Again: every item of both partitions was kept.
+    both_at_once(env, batches)
     with dg.DagsterInstance.get() as instance:
         assert {batch: cache_misses(instance, batch) for batch in batches} == {
             batch: dict.fromkeys(CACHED, 0) for batch in batches
