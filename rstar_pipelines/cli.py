@@ -148,6 +148,98 @@ def demo() -> None:
     )
 
 
+@main.command()
+@click.option(
+    "--queues",
+    required=True,
+    help="Comma-separated queues this host serves: pools of pipeline.yaml (llm, sandbox, "
+    "gpu) and `dagster` for steps in no pool.",
+)
+@click.option("--concurrency", default=1, show_default=True, help="Steps run at once.")
+@click.option("--name", help="Worker name (shown on each step's events).")
+def worker(queues: str, concurrency: int, name: str | None) -> None:
+    """A Celery worker of the `hosts` profile (docs/scale-out.md)."""
+    from rstar_pipelines.deployment.worker import run_worker
+
+    names = [q.strip() for q in queues.split(",") if q.strip()]
+    try:
+        run_worker(names, concurrency, name)
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+
+
+@main.group()
+def deploy() -> None:
+    """Deployment profiles (RSTAR_DEPLOYMENT=local|hosts|k8s)."""
+
+
+def _pool_limit(ctx, param, values: tuple[str, ...]) -> dict[str, int]:
+    limits = {}
+    for value in values:
+        name, sep, limit = value.partition("=")
+        if not sep or not limit.isdigit():
+            raise click.BadParameter(f"{value!r}: expected POOL=LIMIT, e.g. gpu=2")
+        limits[name] = int(limit)
+    return limits
+
+
+@deploy.command("init")
+@click.option(
+    "--profile",
+    type=click.Choice(["hosts", "k8s"]),
+    help="Default: RSTAR_DEPLOYMENT.",
+)
+@click.option("--max-runs", type=int, help="Runs in progress at once (the run queue's limit).")
+@click.option(
+    "--pool",
+    "pools",
+    multiple=True,
+    callback=_pool_limit,
+    help="POOL=LIMIT, repeatable: steps of a pool running at once across all hosts.",
+)
+def deploy_init(profile: str | None, max_runs: int | None, pools: dict[str, int]) -> None:
+    """Write $DAGSTER_HOME/dagster.yaml for the profile, create the instance's tables in
+    Postgres and set the pool limits."""
+    from rstar_pipelines.definitions import load_spec
+    from rstar_pipelines.deployment.instance import init_instance
+
+    profile = profile or settings.deployment()
+    if profile == "local":
+        raise click.ClickException("the local profile keeps Dagster's defaults: nothing to do")
+    if not os.environ.get("DAGSTER_HOME"):
+        raise click.ClickException("DAGSTER_HOME is not set")
+    if not settings.postgres_url():
+        raise click.ClickException(f"{settings.POSTGRES_URL_ENV} is not set")
+    try:
+        limits = init_instance(
+            Path(os.environ["DAGSTER_HOME"]), profile, load_spec(), pools, max_runs
+        )
+    except ValueError as err:
+        raise click.ClickException(str(err)) from None
+    click.echo(f"wrote {os.environ['DAGSTER_HOME']}/dagster.yaml ({profile}); pool limits:")
+    for pool, limit in limits.items():
+        click.echo(f"  {pool}: {limit}")
+
+
+@deploy.command("render-k8s")
+@click.argument("out", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--image", required=True, help="The pipeline's image (RSTAR_IMAGE in the cluster).")
+@click.option("--namespace", default="rstar", show_default=True)
+def deploy_render_k8s(out: Path, image: str, namespace: str) -> None:
+    """Write the Job and Pod specs of the k8s profile (one per pool, the run worker, a
+    training pod) as YAML, to review or apply by hand."""
+    import yaml
+
+    from rstar_pipelines.definitions import load_spec
+    from rstar_pipelines.deployment.k8s import render_jobs
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, body in render_jobs(load_spec(), image, namespace).items():
+        path = out / f"{name.replace(':', '-')}.yaml"
+        path.write_text(yaml.safe_dump(body, sort_keys=False))
+        click.echo(f"wrote {path}")
+
+
 @main.group()
 def model() -> None:
     """The embedded default model."""
@@ -207,6 +299,42 @@ def sandbox_run(
         err=True,
     )
     sys.exit(0 if result.ok else 1)
+
+
+@sandbox.command("serve")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8790, show_default=True)
+@click.option("--backend", default="auto", type=click.Choice(["auto", "docker", "process"]))
+@click.option("--workers", type=int, help="Pool size (default: the number of CPUs).")
+@click.option(
+    "--max-queue", type=int, help="Jobs admitted at once; more get 429 (default: 256 per worker)."
+)
+@click.option(
+    "--token-file",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="File holding the bearer token clients must send (default: RSTAR_SANDBOX_TOKEN).",
+)
+def sandbox_serve(
+    host: str,
+    port: int,
+    backend: str,
+    workers: int | None,
+    max_queue: int | None,
+    token_file: Path | None,
+) -> None:
+    """Serve the sandbox pool over HTTP (a batch endpoint, /health, /metrics). Bound
+    beyond loopback it requires a token."""
+    from rstar_sandbox import Sandbox
+    from rstar_sandbox.http_client import TOKEN_ENV
+    from rstar_sandbox.service import SandboxService, is_loopback, serve
+
+    token = token_file.read_text().strip() if token_file else os.environ.get(TOKEN_ENV)
+    if not is_loopback(host) and not token:
+        raise click.ClickException(
+            f"refusing to serve on {host} without a token: set {TOKEN_ENV} or --token-file"
+        )
+    with Sandbox(backend=backend, workers=workers) as sb:
+        serve(SandboxService(sb, max_queue=max_queue, token=token or None), host, port)
 
 
 @sandbox.command("bench")

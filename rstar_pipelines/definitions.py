@@ -7,7 +7,7 @@ from pathlib import Path
 
 import dagster as dg
 
-from rstar_pipelines import settings
+from rstar_pipelines import deployment, settings
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.materialize import graph_jobs
 from rstar_pipelines.pipeline.factory import build_assets
@@ -39,6 +39,8 @@ def build_definitions(spec: PipelineSpec) -> dg.Definitions:
             "llm": LLMResource(),
             "sandbox": SandboxResource(),
         },
+        # RSTAR_DEPLOYMENT: local (Dagster's default), hosts (Celery), k8s.
+        executor=deployment.executor(spec),
     )
 
 

@@ -15,19 +15,34 @@ class SandboxResource(dg.ConfigurableResource):
     (assets that run no code start no containers) and stops when the step ends.
 
     Unset fields fall back to RSTAR_SANDBOX_BACKEND (default "auto": Docker when an
-    engine answers and the sandbox image is built, else the process backend) and
-    RSTAR_SANDBOX_WORKERS (default: the number of CPUs)."""
+    engine answers and the sandbox image is built, else the process backend; "http"
+    when RSTAR_SANDBOX_URLS names sandbox services) and RSTAR_SANDBOX_WORKERS
+    (default: the number of CPUs; for "http", the batches in flight at once).
+
+    `urls` (or RSTAR_SANDBOX_URLS, comma-separated) points the pipeline at `rstar
+    sandbox serve` instances or a load balancer in front of them; their bearer token
+    comes from RSTAR_SANDBOX_TOKEN."""
 
     backend: str | None = None
     workers: int | None = None
     image: str | None = None
     preload: list[str] = Field(default_factory=lambda: ["numpy"])
+    urls: list[str] = Field(default_factory=list)
 
     _sandbox = PrivateAttr(default=None)
 
     def backend_name(self) -> str:
         """The backend `get` starts (a training process starts its own sandbox with it)."""
-        return self.backend or os.environ.get("RSTAR_SANDBOX_BACKEND", "auto")
+        if self.backend:
+            return self.backend
+        if "RSTAR_SANDBOX_BACKEND" in os.environ:
+            return os.environ["RSTAR_SANDBOX_BACKEND"]
+        return "http" if self.service_urls() else "auto"
+
+    def service_urls(self) -> list[str]:
+        from rstar_sandbox.http_client import urls_from_env
+
+        return list(self.urls) or urls_from_env()
 
     def worker_count(self) -> int | None:
         """The workers `get` starts; None: the sandbox's default (the number of CPUs)."""
@@ -37,12 +52,18 @@ class SandboxResource(dg.ConfigurableResource):
         from rstar_sandbox import Sandbox
 
         if self._sandbox is None:
-            sandbox = Sandbox(
-                backend=self.backend_name(),
-                workers=self.worker_count(),
-                image=self.image,
-                preload=tuple(self.preload),
-            )
+            backend = self.backend_name()
+            if backend == "http":
+                sandbox = Sandbox(
+                    backend="http", workers=self.worker_count(), urls=self.service_urls()
+                )
+            else:
+                sandbox = Sandbox(
+                    backend=backend,
+                    workers=self.worker_count(),
+                    image=self.image,
+                    preload=tuple(self.preload),
+                )
             sandbox.start()
             # Its jobs go to the running step's progress (pipeline/progress.py).
             self._sandbox = CountingSandbox(sandbox)

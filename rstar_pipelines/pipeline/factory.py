@@ -16,9 +16,10 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 
-from rstar_pipelines import settings
+from rstar_pipelines.deployment import run_out_of_process, step_tags
 from rstar_pipelines.partitions import PARTITIONINGS
 from rstar_pipelines.pipeline import progress
+from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
 from rstar_pipelines.storage import schemas
@@ -236,6 +237,7 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
         ins=ins,
         partitions_def=PARTITIONINGS[decl.partitioning],
         pool=decl.pool,
+        op_tags=step_tags(decl.pool),
         required_resource_keys=set(stage_cls.resources),
         description=description,
         # Selecting one output of a stage (e.g. only seed_problems) writes just that one.
@@ -262,11 +264,11 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
             log=context.log,
             resources={r: getattr(context.resources, r) for r in stage_cls.resources},
             run_id=context.run.run_id,
-            cache_path=settings.data_dir() / "cache" / f"{decl.key}.sqlite",
-            cache_namespace=stage_cls.cache_namespace(),
-            launcher=lambda command: dg.PipesSubprocessClient().run(
-                context=context, command=command
+            cache_path=cache_location(
+                decl.key, context.partition_key if context.has_partition_key else None
             ),
+            cache_namespace=stage_cls.cache_namespace(),
+            launcher=lambda command: run_out_of_process(context, command),
         )
         try:
             result = asset.stage().run(ctx, tables)

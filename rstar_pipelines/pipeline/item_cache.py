@@ -8,19 +8,20 @@ A key has two parts. The stage's fingerprint of the item covers the data its res
 its inputs, the prompt, the model and the parameters it uses. The cache's namespace covers the
 code: the stage kind and its `version` (pipeline/stage.py), mixed into every key here, in one
 place, so that bumping a stage's version after a change to what its code computes redoes every
-item of that stage, and no other stage's.
+item of that stage, and no other stage's. Where the entries live (a SQLite file per asset
+partition, or Postgres) is cache_store's business.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import sqlite3
+import os
 from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
 from typing import Any, TypeVar
 
 from rstar_pipelines.pipeline import progress
+from rstar_pipelines.pipeline.cache_store import open_store
 
 T = TypeVar("T")
 
@@ -31,19 +32,15 @@ def fingerprint(*parts: Any) -> str:
 
 
 class ItemCache:
-    """A small SQLite table per asset (WAL, so runs of other partitions can share it)."""
+    """A stage's completed items at `location` (a SQLite file path, or
+    `postgresql://...#<asset>`: see cache_store), under `namespace`."""
 
-    def __init__(self, path: Path, namespace: str):
+    def __init__(self, location: str | os.PathLike, namespace: str):
         if not namespace:
             raise ValueError("an item cache needs a namespace: the stage kind and its version")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
+        self.location = location
         self.namespace = namespace
-        self._db = sqlite3.connect(path, timeout=60, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS items (fingerprint TEXT PRIMARY KEY, value TEXT NOT NULL)"
-        )
+        self._store = open_store(location)
         self.hits = 0
         self.misses = 0
 
@@ -52,17 +49,12 @@ class ItemCache:
 
     def get(self, key: str) -> Any | None:
         """The value stored for the item fingerprint `key` by this namespace, or None."""
-        row = self._db.execute(
-            "SELECT value FROM items WHERE fingerprint = ?", (self._stored_key(key),)
-        ).fetchone()
-        return None if row is None else json.loads(row[0])
+        stored = self._stored_key(key)
+        value = self._store.get_many([stored]).get(stored)
+        return None if value is None else json.loads(value)
 
     def put(self, key: str, value: Any) -> None:
-        with self._db:  # one transaction per item: committed before the next starts
-            self._db.execute(
-                "INSERT OR REPLACE INTO items (fingerprint, value) VALUES (?, ?)",
-                (self._stored_key(key), json.dumps(value, ensure_ascii=False)),
-            )
+        self._store.put(self._stored_key(key), json.dumps(value, ensure_ascii=False))
 
     def map(
         self,
@@ -74,7 +66,9 @@ class ItemCache:
         """Results for `items` in order: cached ones as stored, the rest computed
         `chunk` at a time (one LLM or sandbox batch) and committed per chunk."""
         keys = [key(item) for item in items]
-        results: list[Any] = [self.get(k) for k in keys]
+        stored_keys = [self._stored_key(k) for k in keys]
+        stored = self._store.get_many(stored_keys)
+        results: list[Any] = [json.loads(stored[s]) if s in stored else None for s in stored_keys]
         todo = [i for i, r in enumerate(results) if r is None]
         self.hits += len(items) - len(todo)
         self.misses += len(todo)
@@ -94,4 +88,4 @@ class ItemCache:
         return self.hits / total if total else 0.0
 
     def close(self) -> None:
-        self._db.close()
+        self._store.close()

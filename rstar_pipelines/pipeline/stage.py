@@ -48,7 +48,7 @@ class StageContext:
     log: logging.Logger
     resources: dict[str, Any] = field(default_factory=dict)
     run_id: str | None = None
-    cache_path: Path | None = None
+    cache_path: Path | str | None = None  # a SQLite file, or postgresql://...#<asset>
     cache_namespace: str = ""  # Stage.cache_namespace() of the stage that runs
     # Runs a command out of this process; the asset factory sets one that goes through
     # Dagster Pipes (the run's logs show its messages, cancelling the run stops it).

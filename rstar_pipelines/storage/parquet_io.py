@@ -4,11 +4,16 @@ Layout under the lake directory: `<asset>.parquet` for unpartitioned assets and
 `<asset>/<partition>.parquet` for partitioned ones (UPathIOManager's convention).
 Empty tables are written like any other, so a stage that yields no rows still leaves
 a typed file for its readers.
+
+The lake is any filesystem fsspec knows (universal_pathlib's UPath): a local or NFS
+directory, or an object store URL such as `s3://bucket/lake` (RSTAR_LAKE_URL), so
+steps on many hosts read and write one lake.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +26,18 @@ from rstar_pipelines import settings
 from rstar_pipelines.storage import schemas
 
 
-def write_table(table: pa.Table, path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write atomically: a crash mid-write leaves the previous file, never a torn one."""
+def lake_path(path: str | os.PathLike) -> UPath:
+    """A lake location as a UPath: a local path, or any fsspec URL."""
+    return path if isinstance(path, UPath) else UPath(path)
+
+
+def write_table(
+    table: pa.Table, path: str | os.PathLike, metadata: dict[str, str] | None = None
+) -> None:
+    """Write atomically: a crash mid-write leaves the previous file, never a torn one
+    (a temporary file beside it, then a rename: a local or NFS rename is atomic, and an
+    object store shows the object only once it is complete)."""
+    path = lake_path(path)
     if metadata:
         merged = {
             **(table.schema.metadata or {}),
@@ -30,16 +45,23 @@ def write_table(table: pa.Table, path: Path, metadata: dict[str, str] | None = N
         }
         table = table.replace_schema_metadata(merged)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, path)
+        with tmp.open("wb") as out:
+            pq.write_table(table, out)
+        if isinstance(path, Path):  # local: os.replace overwrites atomically
+            os.replace(tmp, path)
+        else:
+            path.fs.mv(tmp.path, path.path)
     finally:
-        tmp.unlink(missing_ok=True)
+        if tmp.exists():
+            tmp.unlink()
 
 
-def read_table(path: Path) -> pa.Table:
-    return pq.read_table(path)
+def read_table(path: str | os.PathLike) -> pa.Table:
+    path = lake_path(path)
+    with path.open("rb") as source:
+        return pq.read_table(source)
 
 
 def _as_arrow(obj: Any) -> pa.Table:
@@ -65,7 +87,7 @@ class _ParquetUPathIO(dg.UPathIOManager):
             provenance["rstar.code_version"] = context.version
         if context.run_id:
             provenance["rstar.run_id"] = context.run_id
-        write_table(_as_arrow(obj), Path(path), provenance)
+        write_table(_as_arrow(obj), path, provenance)
 
     def get_metadata(self, context: dg.OutputContext, obj: Any) -> dict[str, Any]:
         # A one-row table that points at an artifact (a checkpoint directory): the
@@ -80,14 +102,14 @@ class _ParquetUPathIO(dg.UPathIOManager):
         }
 
     def load_from_path(self, context: dg.InputContext, path: UPath) -> pa.Table:
-        return read_table(Path(path))
+        return read_table(path)
 
 
 class ParquetIOManager(dg.ConfigurableIOManagerFactory):
-    """Stores row-valued assets as typed Parquet under `<data dir>/lake`."""
+    """Stores row-valued assets as typed Parquet in the lake: `lake_dir` (a path or an
+    fsspec URL), else RSTAR_LAKE_URL, else `<data dir>/lake`."""
 
     lake_dir: str | None = None
 
     def create_io_manager(self, context: dg.InitResourceContext) -> _ParquetUPathIO:
-        base = Path(self.lake_dir) if self.lake_dir else settings.lake_dir()
-        return _ParquetUPathIO(base_path=UPath(base))
+        return _ParquetUPathIO(base_path=lake_path(self.lake_dir or settings.lake_dir()))

@@ -6,10 +6,12 @@ are writing (DuckDB's single-writer lock is why a DuckDB file is not the store).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+from upath import UPath
 
 from rstar_pipelines import settings
 
@@ -18,7 +20,7 @@ def _sql_str(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
-def asset_views(lake: Path) -> dict[str, str]:
+def asset_views(lake: UPath) -> dict[str, str]:
     """View name -> the read_parquet expression that serves it."""
     views: dict[str, str] = {}
     if not lake.is_dir():
@@ -33,16 +35,19 @@ def asset_views(lake: Path) -> dict[str, str]:
     return views
 
 
-def connect(lake_dir: Path | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB connection with a view for every asset in the lake."""
-    lake = lake_dir or settings.lake_dir()
+def connect(lake_dir: str | os.PathLike | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB connection with a view for every asset in the lake (a local
+    directory, or any fsspec URL: DuckDB reads through the same filesystem)."""
+    lake = UPath(lake_dir) if lake_dir is not None else settings.lake_dir()
     con = duckdb.connect(":memory:")
+    if not isinstance(lake, Path):
+        con.register_filesystem(lake.fs)
     for name, source in asset_views(lake).items():
         con.execute(f'CREATE VIEW "{name}" AS SELECT * FROM {source}')
     return con
 
 
-def query(sql: str, lake_dir: Path | None = None) -> pa.Table:
+def query(sql: str, lake_dir: str | os.PathLike | None = None) -> pa.Table:
     """Run SQL against the asset views and return the result as an Arrow table."""
     con = connect(lake_dir)
     try:

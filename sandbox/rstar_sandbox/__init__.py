@@ -7,8 +7,10 @@
 
 Backends: "docker" (a pool of containers, each running `server.py`), "process" (the
 same server as host processes in fresh namespaces, for machines without an engine),
-"auto" (Docker when an engine answers and the image is built). This package never
-imports rstar_pipelines or Dagster.
+"auto" (Docker when an engine answers and the image is built), "http" (the same API
+over `rstar sandbox serve` instances on other hosts: `Sandbox(backend="http",
+urls=[...])`, see http_client and service). This package never imports
+rstar_pipelines or Dagster.
 """
 
 from rstar_sandbox.jobs import (

@@ -85,6 +85,14 @@ class Sandbox:
     ...     outputs = sb.run_many(code=src, stdins=["1 2\\n", "3 4\\n"], timeout_s=2.0)
     """
 
+    def __new__(cls, backend: str = "auto", *args, **kwargs):
+        # "http": the same API over `rstar sandbox serve` instances (rstar_sandbox.http_client).
+        if backend == "http":
+            from rstar_sandbox.http_client import HttpSandbox
+
+            return HttpSandbox(*args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(
         self,
         backend: str = "auto",
@@ -102,7 +110,9 @@ class Sandbox:
         if backend == "auto":
             backend = _auto_backend(image)
         if backend not in ("docker", "process"):
-            raise ValueError(f"unknown sandbox backend {backend!r}: use docker, process or auto")
+            raise ValueError(
+                f"unknown sandbox backend {backend!r}: use docker, process, http or auto"
+            )
         self.backend = backend
         self.workers = workers or os.cpu_count() or 1
         self.grace_s = grace_s

@@ -141,14 +141,22 @@ def _set_samples(spec, key: str, n: int) -> None:
     asset.params = asset.params.model_copy(update={"sampling": sampling})
 
 
-@pytest.fixture
-def chain_defs(tmp_path, monkeypatch, incoming):
-    (incoming / "t.jsonl").write_text("\n".join(json.dumps(s) for s in SEEDS) + "\n")
-    # The demo pipeline with ten candidates per problem and one synthesized problem per seed.
+def scripted_spec():
+    """The demo pipeline with ten candidates per problem and one synthesized problem per seed."""
     spec = load_spec()
     _set_samples(spec, "candidate_solutions", 10)
     _set_samples(spec, "synthesized_problems", 1)
-    defs = build_definitions(spec)
+    return spec
+
+
+def write_seeds(incoming, batch: str) -> None:
+    (incoming / f"{batch}.jsonl").write_text("\n".join(json.dumps(s) for s in SEEDS) + "\n")
+
+
+@pytest.fixture
+def chain_defs(tmp_path, monkeypatch, incoming):
+    write_seeds(incoming, "t")
+    defs = build_definitions(scripted_spec())
     resources = {
         **defs.resources,
         "llm": ScriptedLLMResource(),

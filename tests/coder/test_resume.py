@@ -63,7 +63,7 @@ def test_killed_run_reuses_finished_items(tmp_path, incoming, isolated_dirs):
     prep = _materialize_command("seed_problems,seed_rejects,synthesized_problems")
     subprocess.run(prep, env=env, cwd=REPO, check=True, capture_output=True, timeout=300)
 
-    cache = isolated_dirs / "cache" / "candidate_solutions.sqlite"
+    cache = isolated_dirs / "cache" / "candidate_solutions" / "r.sqlite"  # one file a partition
     run = _materialize_command("candidate_solutions")
     proc = subprocess.Popen(
         run,

@@ -1,0 +1,208 @@
+"""`Sandbox(backend="http", urls=[...])`: jobs run by `rstar sandbox serve` instances.
+
+The jobs of a `run` call go out in batches, each with an id of its own, spread over the
+URLs (several services, or one load balancer in front of them). Every job gets exactly
+one result:
+  * 429 (queue full): wait as `Retry-After` says, then send the same batch again;
+  * connection refused, 502/503 (nothing ran there): send it to the next URL;
+  * the connection dropped or timed out mid-batch: ask the same URL again with the same
+    id: a live service answers from the run it already made ("replayed"), so nothing
+    runs twice; only when that host has died (refused, or a load balancer's 502/503)
+    does the batch run again on another host, and its results count that attempt;
+  * no service answers before the deadline: each job of the batch gets a
+    `sandbox_error` result saying so.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+
+import httpx
+
+from rstar_sandbox.jobs import Job, Result
+from rstar_sandbox.service import BATCH_ID_HEADER, BATCH_PATH
+
+log = logging.getLogger("rstar_sandbox.http")
+URLS_ENV = "RSTAR_SANDBOX_URLS"
+TOKEN_ENV = "RSTAR_SANDBOX_TOKEN"
+GRACE_S = 30.0  # beyond the batch's own timeouts, before a batch counts as stuck
+MAX_BACKOFF_S = 10.0
+
+
+def urls_from_env() -> list[str]:
+    return [u.strip() for u in os.environ.get(URLS_ENV, "").split(",") if u.strip()]
+
+
+class _HostDied(Exception):
+    """Nothing answers at a URL (or the load balancer in front has no live backend)."""
+
+
+@dataclass
+class _Sent:
+    """What became of a batch's sends: `unanswered`, one may have run where no answer
+    came back from; `lost`, runs known to have died with their host (a later answer
+    ran the batch afresh instead of replaying that run)."""
+
+    unanswered: bool = False
+    lost: int = 0
+
+
+class HttpSandbox:
+    """The `Sandbox` API over sandbox services (see the module docstring)."""
+
+    backend = "http"
+
+    def __init__(
+        self,
+        workers: int | None = None,
+        *,
+        urls: Sequence[str] | None = None,
+        token: str | None = None,
+        batch_size: int = 32,
+        deadline_s: float = 600.0,
+        connect_timeout_s: float = 5.0,
+        **_pool_options,  # image, preload, ...: the services' own settings, not the client's
+    ):
+        self.urls = [u.rstrip("/") for u in (urls or urls_from_env())]
+        if not self.urls:
+            raise ValueError(f"the http sandbox backend needs urls (or {URLS_ENV})")
+        # In flight at once: enough batches to keep every service busy.
+        self.workers = workers or 4 * len(self.urls)
+        self.batch_size = batch_size
+        self.deadline_s = deadline_s
+        self.connect_timeout_s = connect_timeout_s
+        token = token or os.environ.get(TOKEN_ENV)
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._next_url = itertools.count()
+        self._client: httpx.Client | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._stats_lock = threading.Lock()
+        self.stats = {"batches": 0, "backoffs": 0, "failovers": 0}
+
+    def __enter__(self) -> HttpSandbox:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def start(self) -> None:
+        limits = httpx.Limits(max_connections=self.workers, max_keepalive_connections=self.workers)
+        self._client = httpx.Client(headers=self._headers, limits=limits)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="rstar-sandbox-http")
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def health(self) -> list[dict]:
+        """Each URL's /health answer (or the error reaching it)."""
+        out = []
+        for url in self.urls:
+            try:
+                out.append(httpx.get(f"{url}/health", timeout=self.connect_timeout_s).json())
+            except httpx.HTTPError as err:
+                out.append({"status": "unreachable", "url": url, "error": str(err)})
+        return out
+
+    def run(self, jobs: Sequence[Job]) -> list[Result]:
+        """Run the jobs; results come back in job order. Safe to call from many threads."""
+        if self._pool is None:
+            raise RuntimeError("the sandbox is not running: use `with Sandbox(...) as sb:`")
+        chunks = [jobs[i : i + self.batch_size] for i in range(0, len(jobs), self.batch_size)]
+        futures = [self._pool.submit(self._run_batch, list(chunk)) for chunk in chunks]
+        return [result for future in futures for result in future.result()]
+
+    def run_many(self, code: str, stdins: Sequence[str], **limits) -> list[Result]:
+        """One program over many inputs."""
+        return self.run([Job(code=code, stdin=stdin, **limits) for stdin in stdins])
+
+    def _count(self, what: str) -> None:
+        with self._stats_lock:
+            self.stats[what] += 1
+
+    def _run_batch(self, jobs: list[Job]) -> list[Result]:
+        body = {"id": uuid.uuid4().hex, "jobs": [asdict(j) for j in jobs]}
+        read_timeout = sum(j.timeout_s for j in jobs) + GRACE_S
+        deadline = time.monotonic() + self.deadline_s
+        start = next(self._next_url)
+        sent = _Sent()
+        last_error = "no attempt made"
+        for turn in itertools.count():
+            url = self.urls[(start + turn) % len(self.urls)]
+            try:
+                return self._run_at(url, body, jobs, read_timeout, deadline, sent)
+            except _HostDied as err:
+                last_error = str(err)
+                self._count("failovers")
+                log.warning("sandbox service %s is down (%s); trying the next", url, err)
+            except TimeoutError:
+                break
+            if (turn + 1) % len(self.urls) == 0:  # every URL tried: give them a moment
+                time.sleep(min(0.2 * (turn + 1), MAX_BACKOFF_S))
+            if time.monotonic() > deadline:
+                break
+        message = f"no sandbox service answered within {self.deadline_s:.0f} s: {last_error}"
+        return [Result.sandbox_error(message, 1 + sent.lost) for _ in jobs]
+
+    def _run_at(self, url, body, jobs, read_timeout, deadline, sent: _Sent) -> list[Result]:
+        """The batch's results from one URL, asking again while that host is alive."""
+        backoff = 0.1
+        while time.monotonic() < deadline:
+            try:
+                reply = self._post(url, body, read_timeout)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+                raise _HostDied(f"{url}: {err}") from None
+            except (httpx.ReadError, httpx.ReadTimeout, httpx.RemoteProtocolError):
+                # The batch may be running there: ask again with the same id, and the
+                # service answers from that run (or the next try finds the host dead).
+                sent.unanswered = True
+                time.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+                continue
+            if reply.status_code == 200:
+                payload = reply.json()
+                if sent.unanswered and not payload.get("replayed"):
+                    sent.lost += 1  # that send's run died with its host: this one re-ran it
+                self._count("batches")
+                results = [Result(**r) for r in payload["results"]]
+                if len(results) != len(jobs):
+                    raise RuntimeError(f"{url}: {len(results)} results for {len(jobs)} jobs")
+                return [replace(r, attempts=r.attempts + sent.lost) for r in results]
+            if reply.status_code == 429:
+                self._count("backoffs")
+                wait = float(reply.headers.get("Retry-After", backoff))
+                time.sleep(wait * random.uniform(1.0, 1.5))  # jitter: no thundering herd
+            elif reply.status_code == 502:  # a load balancer lost the host mid-batch
+                sent.unanswered = True
+                raise _HostDied(f"{url}: HTTP 502")
+            elif reply.status_code == 503:  # no host behind it, or it is shutting down
+                raise _HostDied(f"{url}: HTTP 503")
+            elif reply.status_code == 504:  # the load balancer gave up waiting: ask again
+                sent.unanswered = True
+            else:
+                raise RuntimeError(f"{url} refused the batch: {reply.status_code} {reply.text}")
+        raise TimeoutError
+
+    def _post(self, url: str, body: dict, read_timeout: float) -> httpx.Response:
+        assert self._client is not None
+        timeout = httpx.Timeout(read_timeout, connect=self.connect_timeout_s)
+        return self._client.post(
+            f"{url}{BATCH_PATH}",
+            json=body,
+            headers={BATCH_ID_HEADER: body["id"]},
+            timeout=timeout,
+        )

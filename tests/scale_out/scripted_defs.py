@@ -1,0 +1,43 @@
+"""The code location of the scale-out tests and benchmark: the declared pipeline with
+the scripted model of tests/coder/test_chain_scripted.py and the process sandbox, under
+the deployment profile of RSTAR_DEPLOYMENT (Celery workers import it by module name)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import dagster as dg
+
+from rstar_pipelines.definitions import build_definitions
+from rstar_pipelines.sandbox_resource import SandboxResource
+from tests.coder.test_chain_scripted import CHAIN, ScriptedLLMResource, scripted_spec
+
+__all__ = ["CHAIN", "defs", "materialize", "scripted_definitions"]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def scripted_definitions() -> dg.Definitions:
+    base = build_definitions(scripted_spec())
+    return dg.Definitions(
+        assets=base.assets,
+        resources={
+            **base.resources,
+            "llm": ScriptedLLMResource(),
+            "sandbox": SandboxResource(backend="process", workers=2),
+        },
+        executor=base.executor,
+    )
+
+
+defs = scripted_definitions()
+
+
+def materialize(env: dict, selection: list[str], batch: str) -> subprocess.Popen:
+    """`dagster asset materialize` of this code location in a process of its own (the
+    profile is the one `env` sets); its output in `.stdout`."""
+    dagster = str(Path(sys.executable).parent / "dagster")
+    return subprocess.Popen(
+        [dagster, "asset", "materialize", "--select", ",".join(selection), "--partition", batch,
+         "-m", __name__],
+        env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip

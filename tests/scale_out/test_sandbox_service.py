@@ -1,0 +1,195 @@
+"""The sandbox service (`rstar sandbox serve`) and `Sandbox(backend="http")`: real
+services on loopback, a real haproxy in front, one service killed mid-batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import psutil
+import pytest
+
+from rstar_sandbox import OK, Job, Sandbox
+from rstar_sandbox.http_client import HttpSandbox
+from rstar_sandbox.service import BATCH_PATH, SandboxService, make_server
+from tests.scale_out.servers import BIN, free_port, haproxy, require, sandbox_service, stop
+
+ECHO = "print(input())\n"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_backend():
+    if os.geteuid() != 0 and not os.path.exists("/proc/self/ns/user"):
+        pytest.skip("the process backend needs root or user namespaces")
+    require("unshare")
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (over its labels) at `url`."""
+    text = httpx.get(f"{url}/metrics").text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def _run_threads(sb, jobs: list[Job], threads: int) -> list:
+    """The jobs split over `threads` callers, results rejoined in job order."""
+    share = len(jobs) // threads
+    parts = [jobs[i * share : (i + 1) * share] for i in range(threads)]
+    with ThreadPoolExecutor(threads) as pool:
+        return [r for part in pool.map(sb.run, parts) for r in part]
+
+
+def test_failover_behind_haproxy_every_result_once_in_order():
+    a, url_a = sandbox_service("--workers", "2")
+    b, url_b = sandbox_service("--workers", "2")
+    try:
+        with haproxy([url_a.removeprefix("http://"), url_b.removeprefix("http://")]) as lb:
+            jobs = [Job(code=ECHO, stdin=f"{i}\n", timeout_s=5.0) for i in range(2000)]
+            with Sandbox(backend="http", urls=[lb], batch_size=25, workers=8) as sb:
+                killed = threading.Event()
+
+                def kill_a_mid_batch() -> None:
+                    # Mid-batch: it has done some work and has batches under way.
+                    while (
+                        metric(url_a, "rstar_sandbox_jobs_total") < 200
+                        or metric(url_a, "rstar_sandbox_queued_jobs") == 0
+                    ):
+                        time.sleep(0.02)
+                    workers = psutil.Process(a.pid).children(recursive=True)
+                    os.killpg(a.pid, signal.SIGKILL)  # the host dies, its pool with it
+                    psutil.wait_procs(workers, timeout=10)
+                    killed.set()
+
+                killer = threading.Thread(target=kill_a_mid_batch)
+                killer.start()
+                results = _run_threads(sb, jobs, threads=16)
+                killer.join()
+        assert killed.is_set()
+        assert len(results) == len(jobs)
+        assert [r.status for r in results] == [OK] * len(jobs)
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(len(jobs))]
+        reruns = [i for i, r in enumerate(results) if r.attempts > 1]
+        # Only the batches in flight on the dead host ran again (whole batches), and say so.
+        assert 0 < len(reruns) <= sb.workers * 25 and len(reruns) % 25 == 0
+        executed_b = metric(url_b, "rstar_sandbox_jobs_total")
+        assert len(jobs) / 2 < executed_b <= len(jobs)
+    finally:
+        stop(a)
+        stop(b)
+
+
+def test_full_queue_answers_429_and_the_client_backs_off():
+    proc, url = sandbox_service("--workers", "1", "--max-queue", "8")
+    try:
+        reply = httpx.post(f"{url}{BATCH_PATH}", json={"id": "big", "jobs": [{"code": "pass"}] * 9})
+        assert reply.status_code == 413 and "smaller batches" in reply.json()["error"]
+        slow = Job(code="import time; time.sleep(0.2); print(input())\n", stdin="x\n")
+        with ThreadPoolExecutor(4) as pool:
+            # Two raw batches fill the queue; a third is refused with a Retry-After.
+            busy = [
+                pool.submit(
+                    httpx.post,
+                    f"{url}{BATCH_PATH}",
+                    timeout=60,
+                    json={"id": f"fill{i}", "jobs": [{"code": slow.code, "stdin": "x\n"}] * 4},
+                )
+                for i in range(2)
+            ]
+            time.sleep(0.3)
+            refused = httpx.post(
+                f"{url}{BATCH_PATH}", json={"id": "third", "jobs": [{"code": "pass"}]}
+            )
+            assert refused.status_code == 429
+            assert int(refused.headers["Retry-After"]) >= 1
+            assert [f.result().status_code for f in busy] == [200, 200]
+        jobs = [Job(code=ECHO, stdin=f"{i}\n") for i in range(48)]
+        with HttpSandbox(urls=[url], batch_size=4, workers=8) as sb:
+            results = _run_threads(sb, jobs, threads=4)
+        assert [r.stdout for r in results] == [f"{i}\n" for i in range(48)]
+        assert sb.stats["backoffs"] > 0  # it was told to wait, and waited
+        # Exactly once: every job ran one time, however often it was refused first.
+        assert metric(url, "rstar_sandbox_jobs_total") == 2 * 4 + 48
+        assert metric(url, "rstar_sandbox_batches_rejected_total") >= sb.stats["backoffs"]
+    finally:
+        stop(proc)
+
+
+@pytest.fixture(scope="module")
+def local_service():
+    """A service in this process, with a token, on a free loopback port."""
+    with Sandbox(backend="process", workers=1) as sb:
+        service = SandboxService(sb, token="s3cret")
+        server = make_server(service, "127.0.0.1", free_port())
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield service, f"http://127.0.0.1:{server.server_address[1]}"
+        server.shutdown()
+        server.server_close()
+
+
+def test_token_bad_jobs_and_replayed_batches(local_service):
+    service, url = local_service
+    auth = {"Authorization": "Bearer s3cret"}
+    batch = {"id": "b1", "jobs": [{"code": ECHO, "stdin": "7\n"}]}
+    assert httpx.post(f"{url}{BATCH_PATH}", json=batch).status_code == 401
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/health").json()["status"] == "ok"  # for load balancers
+    bad = {"id": "b0", "jobs": [{"code": "pass"}, {"code": "pass", "timeout_s": -1}]}
+    reply = httpx.post(f"{url}{BATCH_PATH}", json=bad, headers=auth)
+    assert reply.status_code == 400 and reply.json()["error"].startswith("job 1:")
+    first = httpx.post(f"{url}{BATCH_PATH}", json=batch, headers=auth).json()
+    again = httpx.post(f"{url}{BATCH_PATH}", json=batch, headers=auth).json()
+    assert first["results"] == again["results"] and first["results"][0]["stdout"] == "7\n"
+    assert (first["replayed"], again["replayed"]) == (False, True)
+    assert service.metrics.replayed._value.get() == 1  # the retry did not run it again
+    other = {"id": "b1", "jobs": [{"code": ECHO, "stdin": "8\n"}]}
+    assert httpx.post(f"{url}{BATCH_PATH}", json=other, headers=auth).status_code == 409
+    with HttpSandbox(urls=[url], token="s3cret") as sb:
+        assert [r.stdout for r in sb.run_many(ECHO, ["1\n", "2\n"])] == ["1\n", "2\n"]
+
+
+def test_failover_between_two_urls_when_one_is_down(local_service):
+    _, url = local_service
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: refused, nothing ran
+    with HttpSandbox(urls=[dead, url], token="s3cret", batch_size=2) as sb:
+        results = sb.run_many(ECHO, [f"{i}\n" for i in range(10)])
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(10)]
+    assert all(r.attempts == 1 for r in results) and sb.stats["failovers"] > 0
+
+
+def test_serving_beyond_loopback_needs_a_token():
+    with Sandbox(backend="process", workers=1) as sb, pytest.raises(ValueError, match="token"):
+        make_server(SandboxService(sb), "0.0.0.0", free_port())
+    env = {k: v for k, v in os.environ.items() if k != "RSTAR_SANDBOX_TOKEN"}
+    cli = subprocess.run(
+        [str(BIN / "rstar"), "sandbox", "serve", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert cli.returncode != 0 and "without a token" in cli.stderr
+
+
+def test_the_pipeline_resource_points_at_the_service(local_service, monkeypatch):
+    import dagster as dg
+
+    from rstar_pipelines.sandbox_resource import SandboxResource
+    from tests.test_sandbox_resource import sums
+
+    _, url = local_service
+    monkeypatch.delenv("RSTAR_SANDBOX_BACKEND", raising=False)
+    monkeypatch.setenv("RSTAR_SANDBOX_URLS", url)
+    monkeypatch.setenv("RSTAR_SANDBOX_TOKEN", "s3cret")
+    assert SandboxResource().backend_name() == "http"
+    result = dg.materialize([sums], resources={"sandbox": SandboxResource()})
+    [event] = result.get_asset_materialization_events()
+    assert event.materialization.metadata["outputs"].value == ["3", "7"]
