@@ -26,7 +26,8 @@ How the fleet is used (docs/llm-serving.md):
   once, when an answer arrives, so none is lost or duplicated. The error comes when a request
   has failed `max_retries + 1` times, or every server has failed that many times in a row.
 - `submit` returns one future per prompt, resolved as soon as that prompt's samples are in;
-  `generate` waits for all of them. Requests run on an asyncio loop in a thread of the client.
+  `generate` waits for all of them. Requests run on an asyncio loop (aiohttp) in a thread of
+  the client.
 
 How finish reasons are mapped: "length" stays "length"; a completion whose text contains a stop
 string (some servers do not strip it) is cut there and is "stop"; a "stop" with vLLM's `stop_reason`
@@ -58,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import json
 import threading
 import time
 from collections import deque
@@ -67,7 +69,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from .types import Completion, Prompt, SamplingParams, is_chat, truncate_at_stop
 
@@ -190,7 +192,7 @@ class OpenAILLM:
         self.n_per_request = n_per_request
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
-        self._timeout = httpx.Timeout(timeout, connect=min(30.0, timeout))
+        self._timeout = aiohttp.ClientTimeout(sock_connect=min(30.0, timeout), sock_read=timeout)
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._servers = [_Server(url) for url in self.base_urls]
         self._model = model
@@ -252,11 +254,6 @@ class OpenAILLM:
 
     def _run_loop(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
         asyncio.set_event_loop(loop)
-        self._client = httpx.AsyncClient(
-            headers=self._headers,
-            timeout=self._timeout,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-        )
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         loop.call_soon(self._start, self._dispatch_forever())
@@ -271,13 +268,20 @@ class OpenAILLM:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await self._client.aclose()
+        await self._session.close()
 
     def _enqueue(self, jobs: list[_Job]) -> None:
         self._queue.extend(jobs)
         self._wake.set()
 
     async def _dispatch_forever(self) -> None:
+        # aiohttp, not httpx: httpx's connection pool scans every connection per request, which
+        # costs more than the requests themselves with a thousand in flight.
+        self._session = aiohttp.ClientSession(
+            headers=self._headers,
+            timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0),  # the windows bound what is in flight
+        )
         while True:
             self._wake.clear()
             delay = self._dispatch()
@@ -367,7 +371,7 @@ class OpenAILLM:
             listed = (await self._get(server, "/models")).get("data") or []
             if not listed and self._model is None:
                 raise LLMServerError(f"{server.url}/models lists no model; pass model=")
-        except (httpx.TransportError, LLMServerError, ValueError) as exc:
+        except (aiohttp.ClientError, TimeoutError, LLMServerError, ValueError) as exc:
             self._server_failed(server, _describe(exc))
         else:
             if self._model is None:
@@ -392,10 +396,10 @@ class OpenAILLM:
             await asyncio.sleep(0.05)
 
     async def _get(self, server: _Server, path: str) -> dict[str, Any]:
-        response = await self._client.get(server.url + path)
-        if response.status_code >= 400:
-            raise LLMServerError(f"GET {server.url}{path} answered HTTP {response.status_code}")
-        return response.json()
+        async with self._session.get(server.url + path) as response:
+            if response.status >= 400:
+                raise LLMServerError(f"GET {server.url}{path} answered HTTP {response.status}")
+            return await response.json(content_type=None)
 
     async def _send(self, server: _Server, job: _Job, size: int) -> None:
         owner = job.owner
@@ -403,22 +407,24 @@ class OpenAILLM:
         url = server.url + path
         body = self._body(owner.prompt, owner.params, job.samples[0], size, server.vllm)
         try:
-            response = await self._client.post(url, json=body)
-        except httpx.TransportError as exc:
+            async with self._session.post(url, json=body) as response:
+                status, text = response.status, await response.text()
+                retry_after = response.headers.get("Retry-After")
+        except (aiohttp.ClientError, TimeoutError) as exc:
             self._retry(server, job, _describe(exc))
             return
         finally:
             server.in_flight -= size
             self._wake.set()
-        if response.status_code < 400:
-            self._answered(server, job, path, response)
+        if status < 400:
+            self._answered(server, job, path, text)
             return
-        failure = f"HTTP {response.status_code}: {response.text[:1000]}"
-        if response.status_code not in _RETRIED_STATUS:
+        failure = f"HTTP {status}: {text[:1000]}"
+        if status not in _RETRIED_STATUS:
             self._settle_error(owner, LLMServerError(f"POST {url} answered {failure}"))
             return
-        pause = retry_after_s(response.headers.get("retry-after"))
-        if pause is not None and response.status_code in (429, 503):
+        pause = retry_after_s(retry_after)
+        if pause is not None and status in (429, 503):
             # The server asks for time: give it that, and fewer requests from now on.
             server.ready_at = max(server.ready_at, asyncio.get_running_loop().time() + pause)
             server.window = max(1, server.window // 2)
@@ -426,13 +432,12 @@ class OpenAILLM:
             return
         self._retry(server, job, failure)
 
-    def _answered(self, server: _Server, job: _Job, path: str, response: httpx.Response) -> None:
+    def _answered(self, server: _Server, job: _Job, path: str, text: str) -> None:
         owner = job.owner
         try:
-            answer = response.json()
-            completions = self._completions(answer, owner, len(job.samples))
+            completions = self._completions(json.loads(text), owner, len(job.samples))
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            error = f"{server.url}{path} answered without {exc}: {response.text[:500]}"
+            error = f"{server.url}{path} answered without {exc}: {text[:500]}"
             self._settle_error(owner, LLMServerError(error))
             return
         server.failures = 0

@@ -206,7 +206,7 @@ def test_refused_connection_is_retried_then_reported():
     url = closed_port_url()
     llm = load_llm("openai", model="m", base_url=url, max_retries=2, retry_backoff=0.1)
     started = time.monotonic()
-    failure = f"no server answers.*failed 3 times in a row.*{url}: ConnectError"
+    failure = f"no server answers.*failed 3 times in a row.*{url}: ClientConnectorError"
     with closing(llm), pytest.raises(LLMServerError, match=failure):
         llm.generate(["hi"], GREEDY)
     assert time.monotonic() - started >= 0.3  # backoffs 0.1 + 0.2
