@@ -32,30 +32,26 @@ from rstar_sandbox.bench import machine
 REPO = Path(__file__).resolve().parent.parent
 
 
+def scripted_step(prompt: str, sample: int) -> Completion:
+    """A step chosen by a hash of the prompt and the sample: code steps, a step that closes
+    the code, answers right and wrong — trees of realistic shape."""
+    depth = prompt.count(STEP_END) + prompt.count(CODE_END)
+    h = int(hashlib.blake2b(f"{prompt}|{sample}".encode(), digest_size=4).hexdigest(), 16)
+    if CODE_END in prompt or depth >= 4:
+        answer = "5" if h % 3 else str(h % 7)
+        return Completion(f"\n<answer>\\boxed{{{answer}}}", "stop", ANSWER_END, 1, 1)
+    if h % 4 == 0:
+        return Completion(f"\nprint(x{depth})", "stop", CODE_END, 1, 1)
+    return Completion(f"\nx{depth} = {h % 97}", "stop", STEP_END, 1, 1)
+
+
 class ScriptedPolicy:
-    """Instant completions chosen by a hash of the prompt: code steps, a step that
-    closes the code, answers right and wrong — trees of realistic shape."""
+    """Instant completions from `scripted_step`."""
 
     name = "scripted"
 
     def generate(self, prompts, params):
-        out = []
-        for prompt in prompts:
-            depth = prompt.count(STEP_END) + prompt.count(CODE_END)
-            samples = []
-            for i in range(params.n):
-                h = int(hashlib.blake2b(f"{prompt}|{i}".encode(), digest_size=4).hexdigest(), 16)
-                if CODE_END in prompt or depth >= 4:
-                    answer = "5" if h % 3 else str(h % 7)
-                    samples.append(
-                        Completion(f"\n<answer>\\boxed{{{answer}}}", "stop", ANSWER_END, 1, 1)
-                    )
-                elif h % 4 == 0:
-                    samples.append(Completion(f"\nprint(x{depth})", "stop", CODE_END, 1, 1))
-                else:
-                    samples.append(Completion(f"\nx{depth} = {h % 97}", "stop", STEP_END, 1, 1))
-            out.append(samples)
-        return out
+        return [[scripted_step(prompt, i) for i in range(params.n)] for prompt in prompts]
 
 
 class InstantSandbox:

@@ -1,8 +1,10 @@
-"""`rstar`: the project's command line (queries, seed batches, the demo, model export)."""
+"""`rstar`: the project's command line (queries, seed batches, the demo, model export, a sparse
+vLLM server)."""
 
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -254,6 +256,59 @@ def model_export(dest: Path) -> None:
 
     export_embedded_model(dest)
     click.echo(f"wrote {dest}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.argument("model")
+@click.option("--gates", required=True, help="The SeerGates directory trained for MODEL.")
+@click.option("--token-budget", type=int, help="Tokens read per decode step (default 4096).")
+@click.option("--threshold", type=float, help="Keep the blocks above this gate probability.")
+@click.option("--kernel", default="triton", show_default=True, help="triton or tilelang")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--served-model-name", help="Default: MODEL and the sparse settings.")
+@click.option("--dry-run", is_flag=True, help="Print the command and environment; start nothing.")
+@click.argument("vllm_args", nargs=-1, type=click.UNPROCESSED)
+def serve(
+    model: str,
+    gates: str,
+    token_budget: int | None,
+    threshold: float | None,
+    kernel: str,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    dry_run: bool,
+    vllm_args: tuple[str, ...],
+) -> None:
+    """Start `vllm serve MODEL` with SeerAttention-R sparse decoding (the rstar_seer plugin,
+    the CUSTOM attention backend, the gates' block size as page size) and print the RSTAR_LLM_*
+    settings that point the pipeline at it. Arguments after `--` go to vllm serve."""
+    from rstar_pipelines.llm.serve import serve_plan
+
+    try:
+        plan = serve_plan(
+            model, gates, token_budget=token_budget, threshold=threshold, kernel=kernel,
+            host=host, port=port, served_model_name=served_model_name, vllm_args=vllm_args,
+        )  # fmt: skip
+    except (ValueError, FileNotFoundError) as err:
+        raise click.ClickException(str(err)) from None
+    for warning in plan.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    env_line = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
+    click.echo(f"# the server:\n{env_line} {shlex.join(plan.command)}")
+    click.echo("# the pipeline:")
+    for name, value in plan.settings.items():
+        click.echo(f"export {name}={shlex.quote(value)}")
+    if dry_run:
+        return
+    executable = shutil.which(plan.command[0])
+    if executable is None:
+        raise click.ClickException(
+            "vllm is not installed here: pip install 'rstar-pipelines[gpu]' (vLLM 0.32.0)"
+        )
+    sys.stdout.flush()
+    os.execve(executable, plan.command, {**os.environ, **plan.env})
 
 
 @main.group()

@@ -1,8 +1,9 @@
-"""SeerAttention-R decode steps over a paged KV cache (vLLM's layout), in plain PyTorch.
+"""SeerAttention-R decode steps over a paged KV cache, in plain PyTorch.
 
-vLLM keeps post-RoPE keys in pages `key_cache [num_pages, page_size, H_kv, D]` addressed through a
-per-request `block_table [B, max_pages]`. With `page_size` equal to the gate's block size, one
-page is one gate block, so:
+The keys and values are vLLM's views `key_cache, value_cache [num_pages, page_size, H_kv, D]`
+(post-RoPE; how they come out of vLLM's cache tensor: `vllm_layout.split_kv_cache`), addressed
+through a per-request `block_table [B, max_pages]`. With `page_size` equal to the gate's block
+size, one page is one gate block, so:
 - the gate keys of full pages are kept per physical page id (`PagedGateKeys`); a page is
   compressed once, when a step finds it full and not yet compressed, and again only after vLLM
   writes into it (`mark_written` from the cache update, so a freed and reused page is never read
@@ -55,6 +56,8 @@ class PagedGateKeys:
         c = gate.config
         self.gate = gate
         self.page_size = c.block_size
+        self.num_pages = num_pages
+        self.device = torch.device(device)
         self.keys = torch.zeros(num_pages, c.num_kv_heads, c.gate_dim, device=device)
         self.fresh = torch.zeros(num_pages, dtype=torch.bool, device=device)
 

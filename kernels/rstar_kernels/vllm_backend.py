@@ -2,34 +2,36 @@
 
 `SeerSparseAttentionBackend` is vLLM's FlashAttention backend with one change in its
 implementation: a batch of single-token decode steps (`max_query_len == 1`) attends only to the
-blocks the layer's gate selects (`rstar_kernels.paged.paged_sparse_decode`: gate keys per full
-page, the rotation of vLLM's post-RoPE cache undone for the gate, top-k or threshold selection,
-the selected pages gathered for `sparse_decode`). Prefill and mixed prefill/decode batches stay
-dense, as in the paper (spec §2.1). Each KV-cache write marks its pages for re-compression, so
-pages that vLLM frees and reuses are never scored with stale gate keys.
+blocks the layer's gate selects. This module is a thin shell: what touches vLLM's tensors (the
+cache layout, the key/value split, the page bookkeeping, the gather of the selected pages) is
+`vllm_layout.SeerLayer`, tested on CPU tensors in vLLM's layout. Prefill and mixed batches stay
+dense, as in the paper. Each cache write marks its pages for re-compression, so pages that vLLM
+frees and reuses are never scored with stale gate keys.
 
-Settings come from the environment, which vLLM's worker processes inherit:
-RSTAR_GATE_CHECKPOINT (a `SeerGates` directory; required), RSTAR_SEER_TOKEN_BUDGET or
-RSTAR_SEER_THRESHOLD (default: a 4,096-token budget, the paper's near-lossless setting) and
-RSTAR_SEER_KERNEL (`triton`, the default, or `tilelang`). vLLM must run with
-`block_size` = the gate's block size and `enforce_eager=True` (the selection has data-dependent
-shapes, so the decode step cannot be captured in a CUDA graph).
+A layer stays dense, with a warning, when its cache is fp8 or it is not a plain decoder
+self-attention layer (sliding window, encoder, decode context parallelism). A worker whose heads
+are not the gates' (tensor parallelism above 1) is refused when vLLM builds the layer.
+
+Settings: `vllm_plugin.settings_from_env`. vLLM must run with `block_size` = the gates' block
+size and `enforce_eager=True` (the selection has data-dependent shapes, so the decode step cannot
+be captured in a CUDA graph).
 """
 
 from __future__ import annotations
 
-import os
+import logging
 import re
 from functools import cache
 
 import torch
+from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
 
 from .gate import SeerGates
-from .paged import HeadRotary, PagedGateKeys, paged_sparse_decode
-from .vllm_plugin import BUDGET_ENV, GATE_ENV, KERNEL_ENV, THRESHOLD_ENV
+from .vllm_layout import SeerLayer, check_layer_heads, sparse_kv_cache_dtype
+from .vllm_plugin import load_gate_config, settings_from_env
 
-DEFAULT_TOKEN_BUDGET = 4096
+logger = logging.getLogger(__name__)
 
 
 @cache
@@ -55,28 +57,39 @@ class SeerSparseAttentionBackend(FlashAttentionBackend):
 
 
 class SeerSparseAttentionImpl(FlashAttentionImpl):
-    _seer: tuple | None = None  # (gate, gate keys, rotary), built on the first call
-
-    def _state(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> tuple:
-        if self._seer is None:
-            path = os.environ.get(GATE_ENV)
-            if not path:
-                raise RuntimeError(
-                    f"the SeerAttention-R vLLM backend needs {GATE_ENV} (a gate checkpoint)"
-                )
-            gates = _gates(path, str(kv_cache.device))
-            gate = gates[_layer_index(layer.layer_name)]
-            num_pages = kv_cache.shape[1]  # (2, pages, page size, H_kv, D)
-            self._seer = (
-                gate,
-                PagedGateKeys(gate, num_pages, kv_cache.device),
-                HeadRotary(gates.config),
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._path, self._selection = settings_from_env()
+        self._seer: SeerLayer | None = None
+        self._dense_reason = self._why_dense()
+        if self._dense_reason:
+            logger.warning("SeerAttention-R: this layer decodes densely: %s", self._dense_reason)
+        else:
+            check_layer_heads(
+                load_gate_config(self._path), self.num_heads, self.num_kv_heads, self.head_size
             )
+
+    def _why_dense(self) -> str | None:
+        if not sparse_kv_cache_dtype(self.kv_cache_dtype):
+            return f"kv_cache_dtype={self.kv_cache_dtype!r} (the gates read fp16/bf16 keys)"
+        if self.attn_type != AttentionType.DECODER:
+            return f"attention type {self.attn_type}"
+        if self.sliding_window != (-1, -1):
+            return f"sliding window {self.sliding_window}"
+        if self.dcp_world_size > 1:
+            return "decode context parallelism splits the tokens across workers"
+        return None
+
+    def _layer(self, layer: torch.nn.Module, kv_cache: torch.Tensor) -> SeerLayer:
+        if self._seer is None:
+            gates = _gates(self._path, str(kv_cache.device))
+            self._seer = SeerLayer(gates[_layer_index(layer.layer_name)], self._selection)
         return self._seer
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
-        self._state(layer, kv_cache)[1].mark_written(slot_mapping)
+        if not self._dense_reason:
+            self._layer(layer, kv_cache).mark_written(kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -91,7 +104,8 @@ class SeerSparseAttentionImpl(FlashAttentionImpl):
         output_block_scale=None,
     ):
         decode_only = attn_metadata is not None and attn_metadata.max_query_len == 1
-        if not decode_only or output_scale is not None or kv_cache.numel() == 0:
+        fused_output = output_scale is not None or output_block_scale is not None
+        if self._dense_reason or not decode_only or fused_output or kv_cache.numel() == 0:
             return super().forward(
                 layer,
                 query,
@@ -103,24 +117,9 @@ class SeerSparseAttentionImpl(FlashAttentionImpl):
                 output_scale,
                 output_block_scale,
             )
-        gate, gate_keys, rotary = self._state(layer, kv_cache)
         n = attn_metadata.num_actual_tokens
-        key_cache, value_cache = kv_cache.unbind(0)
-        threshold = os.environ.get(THRESHOLD_ENV)
-        budget = None if threshold else int(os.environ.get(BUDGET_ENV, DEFAULT_TOKEN_BUDGET))
-        out = paged_sparse_decode(
-            gate,
-            gate_keys,
-            rotary,
-            query[:n].view(n, self.num_heads, self.head_size),
-            key_cache,
-            value_cache,
-            attn_metadata.block_table[:n],
-            attn_metadata.seq_lens[:n],
-            token_budget=budget,
-            threshold=float(threshold) if threshold else None,
-            backend=os.environ.get(KERNEL_ENV, "triton"),
-            scale=self.scale,
+        out = self._layer(layer, kv_cache).decode(
+            query[:n], kv_cache, attn_metadata.block_table, attn_metadata.seq_lens, self.scale
         )
         output[:n].copy_(out.reshape(output[:n].shape))
         return output

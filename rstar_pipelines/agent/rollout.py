@@ -1,22 +1,24 @@
-"""Multi-turn tool-using rollouts (rStar2-Agent, spec §6.2), batched turn by turn.
+"""Multi-turn tool-using rollouts (rStar2-Agent, spec §6.2), each trajectory on its own.
 
     trajectories = run_rollouts(llm, sandbox, prompts, n=4, config=RolloutConfig())
     # one list per prompt: its n Trajectory records
 
-Each turn makes ONE `llm.generate` call over every live trajectory of every prompt (the first
-turn: the prompts with `n` samples each; later turns: each conversation so far, which ends with a
-user tool-response turn, so the chat template opens a new assistant turn) and then ONE
-`sandbox.run` over all the tool calls those turns made. A trajectory stops when its turn makes no
-tool call ("answer"), when its turn was the last allowed one ("max_turns") or when its token
-budget is spent or a turn was cut by a token limit ("length"). It never ends on a user turn: the
-calls of a final turn are not run.
+A prompt's first turn is one request for its `n` samples; then each trajectory runs its own
+tool calls (in the sandbox with the other trajectories' calls waiting then) and asks for its
+next turn (the conversation so far, which ends with a user tool-response turn, so the chat
+template opens a new assistant turn), through `llm.coroutines`: over a fleet of servers a
+trajectory moves on as soon as its own completion is in; an in-process model gets one batch per
+turn over every live trajectory, and one sandbox run after it. A trajectory stops when its turn
+makes no tool call ("answer"), when its turn was the last allowed one ("max_turns") or when its
+token budget is spent or a turn was cut by a token limit ("length"). It never ends on a user
+turn: the calls of a final turn are not run.
 
-One generate call serves trajectories with different budgets left, and it takes one `max_tokens`:
-the largest budget left (capped by `max_turn_tokens`). A turn longer than its own trajectory's
-budget left is discarded with the tool responses it followed, so the trajectory ends, "length",
-on its previous assistant turn (whose calls then count as not run) and never holds more than
-`max_response_tokens` model tokens. The reference gives each request its own limit instead and
-keeps the cut turn; either way such a trajectory ends without an answer.
+Each turn asks for at most the trajectory's budget left (capped by `max_turn_tokens`), as the
+reference does. An in-process batch takes one `max_tokens`, the largest budget left among its
+trajectories: a turn longer than its own trajectory's budget left is then discarded with the
+tool responses it followed, so the trajectory ends, "length", on its previous assistant turn
+(whose calls then count as not run) and never holds more than `max_response_tokens` model
+tokens. The reference keeps the cut turn; either way such a trajectory ends without an answer.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rstar_pipelines.llm.coroutines import Ask, Batch, Coroutine, Fork, run_coroutines
 from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
 from rstar_sandbox import Job, Sandbox
 
@@ -121,40 +124,52 @@ def run_rollouts(
         if not prompt or isinstance(prompt, str) or prompt[-1].get("role") != "user":
             raise ValueError(f"prompt {index} must be chat messages ending with a user message")
     groups = [[Trajectory(prompt=[dict(m) for m in p]) for _ in range(n)] for p in prompts]
-    live = [_Live(t) for group in groups for t in group]
-    for turn in range(config.max_turns):
-        if not live:
-            break
-        budget_left = max(config.max_response_tokens - x.trajectory.completion_tokens for x in live)
-        params = SamplingParams(
-            n=n if turn == 0 else 1,
-            temperature=config.temperature,
-            top_p=config.top_p,
-            max_tokens=min(config.max_turn_tokens or budget_left, budget_left),
-            seed=None if seed is None else seed + turn,
-        )
-        if turn == 0:
-            completions = [c for out in llm.generate(list(prompts), params) for c in out]
-        else:
-            chats = [[*x.trajectory.prompt, *x.trajectory.messages] for x in live]
-            completions = [out[0] for out in llm.generate(chats, params)]
-        if len(completions) != len(live):
-            raise RuntimeError(
-                f"LLM {llm.name!r} returned {len(completions)} completions for {len(live)}"
-            )
-        calling = []
-        for state, completion in zip(live, completions, strict=True):
-            if completion.completion_tokens > params.max_tokens:
-                raise RuntimeError(
-                    f"LLM {llm.name!r} generated {completion.completion_tokens} tokens "
-                    f"with max_tokens={params.max_tokens}"
-                )
-            calls = _take_turn(state, completion, turn, config)
-            if calls:
-                calling.append((state, calls))
-        _answer_calls(calling, sandbox, config)
-        live = [state for state, _ in calling]
+    rollout = _Rollout(llm.name, config, seed)
+    run_coroutines(llm, [rollout.group(g) for g in groups], {"tools": sandbox.run})
     return groups
+
+
+class _Rollout:
+    """A prompt's first turn (its `n` samples in one request), then each trajectory on its own."""
+
+    def __init__(self, llm_name: str, config: RolloutConfig, seed: int | None):
+        self.llm_name, self.config, self.seed = llm_name, config, seed
+        self.cap = min(config.max_turn_tokens or config.max_response_tokens,
+                       config.max_response_tokens)  # fmt: skip
+
+    def ask(self, messages: list[dict], turn: int, n: int, spent: int) -> Ask:
+        budget_left = self.config.max_response_tokens - spent
+        params = SamplingParams(
+            n=n,
+            temperature=self.config.temperature,
+            top_p=self.config.top_p,
+            max_tokens=min(self.config.max_turn_tokens or budget_left, budget_left),
+            seed=None if self.seed is None else self.seed + turn,
+        )
+        return Ask(messages, params, stretch=True)
+
+    def group(self, trajectories: list[Trajectory]) -> Coroutine:
+        first = yield self.ask(trajectories[0].prompt, 0, len(trajectories), 0)
+        if len(first) != len(trajectories):
+            raise RuntimeError(
+                f"LLM {self.llm_name!r} returned {len(first)} completions for {len(trajectories)}"
+            )
+        yield Fork([self.trajectory(t, c) for t, c in zip(trajectories, first, strict=True)])
+
+    def trajectory(self, trajectory: Trajectory, completion: Completion) -> Coroutine:
+        state = _Live(trajectory)
+        for turn in range(self.config.max_turns):
+            if completion.completion_tokens > self.cap:
+                raise RuntimeError(
+                    f"LLM {self.llm_name!r} generated {completion.completion_tokens} tokens "
+                    f"with max_tokens={self.cap}"
+                )
+            calls = _take_turn(state, completion, turn, self.config)
+            if not calls:
+                return
+            yield from _answer_calls(state, calls, self.config)
+            chat = [*trajectory.prompt, *trajectory.messages]
+            [completion] = yield self.ask(chat, turn + 1, 1, trajectory.completion_tokens)
 
 
 def _take_turn(
@@ -185,30 +200,24 @@ def _take_turn(
     return []
 
 
-def _answer_calls(
-    calling: list[tuple[_Live, list[ParsedCall]]], sandbox: Sandbox, config: RolloutConfig
-) -> None:
-    """Run every parsed call of this turn in one sandbox.run; append each trajectory's responses
-    as one user turn."""
+def _answer_calls(state: _Live, calls: list[ParsedCall], config: RolloutConfig) -> Coroutine:
+    """Run every parsed call of this turn in the tools lane (one sandbox run with the other
+    trajectories' calls waiting then); append the responses as one user turn."""
     jobs = [
         Job(code=c.code, stdin=c.stdin, timeout_s=config.timeout_s, memory_mb=config.memory_mb)
-        for _, calls in calling
         for c in calls
         if c.error is None
     ]
-    results = iter(sandbox.run(jobs) if jobs else [])
-    for state, calls in calling:
-        outputs = []
-        for call in calls:
-            if call.error is None:
-                result = next(results)
-                status, text = result.status, render_result(result)
-            else:
-                status, text = None, call.error
-            output = truncate_middle(text, config.max_tool_response_chars)
-            state.trajectory.tool_calls.append(ToolCall(call.code, call.stdin, status, output))
-            outputs.append(output)
-        state.trajectory.messages.append(
-            {"role": "user", "content": render_tool_responses(outputs)}
-        )
-        state.answered = len(calls)
+    results = iter((yield Batch("tools", jobs)) if jobs else [])
+    outputs = []
+    for call in calls:
+        if call.error is None:
+            result = next(results)
+            status, text = result.status, render_result(result)
+        else:
+            status, text = None, call.error
+        output = truncate_middle(text, config.max_tool_response_chars)
+        state.trajectory.tool_calls.append(ToolCall(call.code, call.stdin, status, output))
+        outputs.append(output)
+    state.trajectory.messages.append({"role": "user", "content": render_tool_responses(outputs)})
+    state.answered = len(calls)

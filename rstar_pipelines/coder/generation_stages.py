@@ -65,7 +65,7 @@ class ProblemSynthesis(Stage):
             for s in sources
         ]
         llm = StageLLM(self, ctx)
-        completions = llm.complete(prompts, self.params.sampling, ctx.cache, self.params.chunk)
+        completions = llm.complete(prompts, self.params.sampling, ctx.cache)
 
         rows = [{**s, "is_seed": True, "seed_id": s["id"], "model": None} for s in seeds]
         seen = {normalized_text_hash(s["problem"]) for s in seeds}
@@ -151,7 +151,7 @@ class TestInputGeneration(Stage):
         llm = StageLLM(self, ctx)
         prompts = [self.prompts["program"].render(problem=p["problem"]) for p in problems]
         sampling = self.params.sampling.model_copy(update={"n": 1})
-        completions = llm.complete(prompts, sampling, ctx.cache, self.params.chunk)
+        completions = llm.complete(prompts, sampling, ctx.cache)
         p = self.params
 
         def key(item: tuple[dict, str]) -> str:
@@ -253,7 +253,7 @@ class CandidateSolutions(Stage):
         problems = rows_of(inputs["synthesized_problems"])
         prompts = [self.prompts[p["domain"]].render(problem=p["problem"]) for p in problems]
         llm = StageLLM(self, ctx)
-        completions = llm.complete(prompts, self.params.sampling, ctx.cache, self.params.chunk)
+        completions = llm.complete(prompts, self.params.sampling, ctx.cache)
         rows = []
         for problem, outs in zip(problems, completions, strict=True):
             for index, out in enumerate(outs):

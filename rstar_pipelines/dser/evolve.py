@@ -2,10 +2,10 @@
 current solution and, unless its own verdict passes it, refines it given the critique.
 
 A prompt holds only the problem, the current solution and (to refine) its critique, never the
-history, so each chain is a Markov chain over solutions. All chains of all problems advance
-together: one `llm.generate` for the solutions, then per iteration one for the verifications
-and one for the refinements, and one `Judge.grade` (for code: one sandbox run) for the new
-states.
+history, so each chain is a Markov chain over solutions. All chains of all problems run at once
+and none waits for another: a problem's first solutions are one request (n = chains), then each
+chain verifies and refines as soon as its own completion is in (`llm.coroutines`); the new
+states waiting to be graded go to `Judge.grade` together (for code: one sandbox run).
 
     runs = run_dser(llm, problems, DSERConfig(chains=4, iterations=8, vote_last=4),
                     DSERPrompts.from_templates(solve, verify, refine), Judge(sandbox))
@@ -15,7 +15,7 @@ states.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
 
@@ -29,6 +29,7 @@ from rstar_pipelines.coder.verification import (
     run_programs,
 )
 from rstar_pipelines.dser.vote import last_states, vote
+from rstar_pipelines.llm.coroutines import Ask, Batch, Coroutine, Fork, run_coroutines
 from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 
@@ -241,16 +242,16 @@ def run_dser(
     if not problems:
         return []
     evolution = _Evolution(llm, problems, config, prompts, judge)
-    evolution.solve()
-    for t in range(1, config.iterations + 1):
-        failed = evolution.verify(t)
-        if failed:
-            evolution.refine(t, failed)
+    run_coroutines(
+        llm, [evolution.problem(p) for p in range(len(problems))], {"grade": judge.grade}
+    )
     return [evolution.result(p) for p in range(len(problems))]
 
 
 class _Evolution:
-    """All chains of all problems, advanced one phase (one generate call) at a time."""
+    """All chains of all problems, each a coroutine that moves on when its own completions
+    are in (`llm.coroutines`); the verification of iteration t is sampled with seed
+    `seed + 2t - 1` and its refinement with `seed + 2t`, whatever the other chains do."""
 
     def __init__(
         self,
@@ -262,53 +263,47 @@ class _Evolution:
     ):
         self.llm, self.problems, self.config = llm, problems, config
         self.prompts, self.judge = prompts, judge
-        self.pairs = [(p, c) for p in range(len(problems)) for c in range(config.chains)]
         self.chains: list[list[list[ChainState]]] = [
             [[] for _ in range(config.chains)] for _ in problems
         ]
         self.tokens = [0] * len(problems)
         self.calls = [0] * len(problems)
 
-    def solve(self) -> None:
-        solved = self.llm.generate(
-            [_user(self.prompts.solve(problem)) for problem in self.problems],
-            self.config.sampling(self.config.solve_tokens, call=0, n=self.config.chains),
+    def problem(self, p: int) -> Coroutine:
+        """Solve (all chains' first solutions in one request), grade, then fork the chains."""
+        c = self.config
+        solved = yield Ask(
+            _user(self.prompts.solve(self.problems[p])),
+            c.sampling(c.solve_tokens, call=0, n=c.chains),
         )
-        self._append(self.pairs, [solved[p][c] for p, c in self.pairs], iteration=0)
+        states = yield from self._new_states(p, solved, iteration=0)
+        for chain, state in zip(self.chains[p], states, strict=True):
+            chain.append(state)
+        yield Fork([self.chain(p, chain) for chain in range(c.chains)])
 
-    def verify(self, t: int) -> list[tuple[int, int, str]]:
-        """Verify every chain's current solution; the chains that did not pass, with the
-        critique. The others keep their solution as s_t."""
-        current = [self.chains[p][c][-1] for p, c in self.pairs]
-        verified = self.llm.generate(
-            [
-                _user(self.prompts.verify(self.problems[p], state.text))
-                for (p, _), state in zip(self.pairs, current, strict=True)
-            ],
-            self.config.sampling(self.config.verify_tokens, call=2 * t - 1),
-        )
-        failed = []
-        for (p, c), state, [critique] in zip(self.pairs, current, verified, strict=True):
+    def chain(self, p: int, c: int) -> Coroutine:
+        """Verify the current solution; unless it passed, refine it given the critique."""
+        problem, states, config = self.problems[p], self.chains[p][c], self.config
+        for t in range(1, config.iterations + 1):
+            state = states[-1]
+            [critique] = yield Ask(
+                _user(self.prompts.verify(problem, state.text)),
+                config.sampling(config.verify_tokens, call=2 * t - 1),
+            )
             self._charge(p, critique)
             passed = parse_verdict(critique.text) is True
-            self.chains[p][c][-1] = replace(
+            states[-1] = replace(
                 state, verdict=passed, tokens=state.tokens + critique.completion_tokens
             )
             if passed:
-                self.chains[p][c].append(replace(state, iteration=t, verdict=None, tokens=0))
-            else:
-                failed.append((p, c, critique.text))
-        return failed
-
-    def refine(self, t: int, failed: Sequence[tuple[int, int, str]]) -> None:
-        refined = self.llm.generate(
-            [
-                _user(self.prompts.refine(self.problems[p], self.chains[p][c][-1].text, critique))
-                for p, c, critique in failed
-            ],
-            self.config.sampling(self.config.refine_tokens, call=2 * t),
-        )
-        self._append([(p, c) for p, c, _ in failed], [out[0] for out in refined], iteration=t)
+                states.append(replace(state, iteration=t, verdict=None, tokens=0))
+                continue
+            refined = yield Ask(
+                _user(self.prompts.refine(problem, state.text, critique.text)),
+                config.sampling(config.refine_tokens, call=2 * t),
+            )
+            [new] = yield from self._new_states(p, refined, iteration=t)
+            states.append(new)
 
     def result(self, p: int) -> DSERRun:
         problem, chains = self.problems[p], self.chains[p]
@@ -323,29 +318,28 @@ class _Evolution:
             calls=self.calls[p],
         )
 
-    def _append(
-        self, targets: Sequence[tuple[int, int]], written: Sequence[Completion], iteration: int
-    ) -> None:
-        """New states s_iteration from these completions, graded in one `Judge.grade`."""
+    def _new_states(
+        self, p: int, written: Sequence[Completion], iteration: int
+    ) -> Generator[Batch, Any, list[ChainState]]:
+        """New states s_iteration from these completions, graded in the judge's lane."""
+        problem = self.problems[p]
         answers = []
-        for (p, _), out in zip(targets, written, strict=True):
+        for out in written:
             self._charge(p, out)
-            answers.append(extract_answer(self.problems[p].domain, out.text))
-        grades = self.judge.grade(
-            [(self.problems[p], a) for (p, _), a in zip(targets, answers, strict=True)]
-        )
-        for (p, c), out, answer, grade in zip(targets, written, answers, grades, strict=True):
-            self.chains[p][c].append(
-                ChainState(
-                    iteration=iteration,
-                    text=out.text,
-                    answer=answer,
-                    verdict=None,
-                    correct=grade.correct,
-                    tokens=out.completion_tokens,
-                    signature=grade.signature,
-                )
+            answers.append(extract_answer(problem.domain, out.text))
+        grades = yield Batch("grade", [(problem, a) for a in answers])
+        return [
+            ChainState(
+                iteration=iteration,
+                text=out.text,
+                answer=answer,
+                verdict=None,
+                correct=grade.correct,
+                tokens=out.completion_tokens,
+                signature=grade.signature,
             )
+            for out, answer, grade in zip(written, answers, grades, strict=True)
+        ]
 
     def _charge(self, p: int, completion: Completion) -> None:
         self.tokens[p] += completion.completion_tokens

@@ -1,7 +1,9 @@
-"""The LLM layer: one interface, `LLM.generate(prompts, params)`, over several backends.
+"""The LLM layer: one interface, `LLM.generate(prompts, params)` and beside it
+`types.submit`/`types.stream` (a future per prompt), over several backends.
 
 - `transformers`: in-process, the CPU default; a Hugging Face directory, a .gguf file or "embedded".
-- `openai`: any OpenAI-compatible server (vLLM, SGLang, `transformers serve`, llama.cpp).
+- `openai`: OpenAI-compatible servers (vLLM, SGLang, `transformers serve`, llama.cpp), one or a
+  fleet (docs/llm-serving.md).
 - `vllm`: the in-process vLLM engine, on GPUs.
 
 Importing this package loads none of torch, transformers or vllm; a backend imports them when built.
@@ -38,8 +40,9 @@ def load_llm(backend: str = "transformers", model: str | None = None, **options:
       SeerAttention-R sparse decoding sparse_attention="seer", gate_checkpoint (a SeerGates.save
       directory), token_budget (default 4096) or sparse_threshold, sparse_backend ("torch",
       "triton", "tilelang"; default "triton" on CUDA, else "torch").
-    - openai: options base_url (required, e.g. http://127.0.0.1:8000/v1), api_key, max_concurrency,
-      max_retries, timeout; `model` defaults to the first model the server lists.
+    - openai: options base_url (required: one server, e.g. http://127.0.0.1:8000/v1, several
+      comma-separated, or a list), api_key, max_concurrency (sequences in flight per server),
+      n_per_request, max_retries, timeout; `model` defaults to the first model the servers list.
     - vllm: `model` is required (a Hugging Face id or directory); options go to `vllm.LLM`.
     """
     if backend == "transformers":

@@ -1,11 +1,33 @@
-"""Generation through any OpenAI-compatible server: vLLM, SGLang, `transformers serve`, llama.cpp.
+"""Generation through OpenAI-compatible servers (vLLM, SGLang, `transformers serve`, llama.cpp):
+one server or a fleet of them, kept busy.
 
 Raw string prompts go to `POST {base_url}/completions`, chat prompts to
-`POST {base_url}/chat/completions`.
-Each (prompt, sample) is its own request with n=1 (and seed + sample index when a seed is given),
-so the usage counts are exact per completion and servers that ignore `n` still give n samples.
-Requests run concurrently (`max_concurrency`); connection errors, 5xx and 429 are retried with
-exponential backoff (`max_retries`). `model` defaults to the first model the server lists.
+`POST {base_url}/chat/completions`. `base_url` is one URL, several separated by commas, or a
+list; a malformed one is refused when the client is built (`parse_base_urls`).
+
+How the fleet is used (docs/llm-serving.md):
+- Each server is asked `GET /models` first: a vLLM server says `owned_by: "vllm"`
+  (vllm/entrypoints/serve/engine/protocol.py, line 109, in vLLM 0.32.0). `model` defaults to
+  the first model the first answering server lists.
+- All samples of a prompt go as ONE request with `n` to a server that honours it: vLLM does,
+  and gives each sample the seed `seed + index` (vllm/v1/engine/parallel_sampling.py, line 81),
+  as our one-request-per-sample fallback does; its `return_token_ids` gives each sample's token
+  count. One request per sample elsewhere (`transformers serve` ignores `n`), at temperature 0
+  (vLLM refuses n > 1 for greedy sampling), and on a server that answered fewer choices than
+  asked (it is then treated as one that ignores `n`). `n_per_request` declares it instead.
+- Each server gets at most `max_concurrency` sequences in flight (a request with n samples
+  counts n): by default 1024 on a vLLM server (its default `max_num_seqs` on H100/H200-class
+  GPUs, so its batch can fill; it queues the rest), 16 elsewhere (`transformers serve` decodes
+  one request at a time). New work goes to the least loaded server.
+- 429 and 503 with `Retry-After`: nothing more goes to that server until then, and its window
+  halves (it grows back by one per answer). Connection errors, 5xx and 429 without it: the
+  server backs off exponentially and the request moves to another server (or waits for one).
+  A request that died with its server is sent again elsewhere; its completions are recorded
+  once, when an answer arrives, so none is lost or duplicated. The error comes when a request
+  has failed `max_retries + 1` times, or every server has failed that many times in a row.
+- `submit` returns one future per prompt, resolved as soon as that prompt's samples are in;
+  `generate` waits for all of them. Requests run on an asyncio loop (aiohttp) in a thread of
+  the client.
 
 How finish reasons are mapped: "length" stays "length"; a completion whose text contains a stop
 string (some servers do not strip it) is cut there and is "stop"; a "stop" with vLLM's `stop_reason`
@@ -17,7 +39,7 @@ vLLM's (and SGLang's) extension fields `continue_final_message` and `add_generat
 What `transformers serve` (transformers 5.24) does, read from its source and checked against it:
 - It serves both /v1/completions and /v1/chat/completions, non-streaming and streaming.
 - `model` must be the name the server was started with (or left out); /v1/models lists it.
-- It ignores `n` (logs a warning) and answers one choice: hence one request per sample here.
+- It ignores `n` (logs a warning) and answers one choice: hence one request per sample there.
 - It sets the request's temperature and top_p but never turns sampling on: a model whose
   generation_config.json lacks `do_sample: true` decodes greedily whatever the temperature
   (`export_embedded_model` writes do_sample=true; temperature 0 still means greedy).
@@ -35,91 +57,444 @@ What `transformers serve` (transformers 5.24) does, read from its source and che
 
 from __future__ import annotations
 
+import asyncio
+import email.utils
+import json
+import threading
 import time
+from collections import deque
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
+import aiohttp
 
 from .types import Completion, Prompt, SamplingParams, is_chat, truncate_at_stop
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
+# Sequences in flight per server by default: vLLM's default max_num_seqs for its OpenAI server
+# on GPUs with 70 GB or more (vllm/engine/arg_utils.py, `_get_default_max_num_seqs...`), else 16.
+VLLM_IN_FLIGHT = 1024
+OTHER_IN_FLIGHT = 16
+# vLLM's greedy threshold (vllm/sampling_params.py, _SAMPLING_EPS): n > 1 is refused below it.
+GREEDY_BELOW = 1e-5
+MAX_BACKOFF_S = 30.0
 
 
 class LLMServerError(RuntimeError):
-    """The server could not be reached or refused a request."""
+    """The servers could not be reached or refused a request."""
+
+
+def parse_base_urls(value: str | Sequence[str], source: str = "base_url") -> list[str]:
+    """The server URLs in `value` (a URL, URLs separated by commas, or a list of them); a clear
+    error naming `source` and the position of a malformed or repeated one."""
+    items = value.split(",") if isinstance(value, str) else [u for v in value for u in v.split(",")]
+    urls: list[str] = []
+    for position, raw in enumerate(items, 1):
+        url = raw.strip()
+        parsed = urlsplit(url)
+        if not url:
+            problem = "is empty"
+        elif parsed.scheme not in ("http", "https") or not url.startswith(f"{parsed.scheme}://"):
+            problem = "does not start with http:// or https://"
+        elif not parsed.hostname:
+            problem = "names no host"
+        elif any(c.isspace() for c in url) or parsed.query or parsed.fragment:
+            problem = "holds spaces, a query or a fragment"
+        else:
+            try:
+                parsed.port  # noqa: B018 - raises ValueError on a bad port
+                problem = None
+            except ValueError as err:
+                problem = f"has a bad port ({err})"
+        if problem is None and url.rstrip("/") in urls:
+            problem = "is listed twice"
+        if problem:
+            raise ValueError(
+                f"{source}: server {position} of {len(items)}, {raw!r}, {problem} (expected "
+                "http://HOST:PORT/v1, several separated by commas)"
+            )
+        urls.append(url.rstrip("/"))
+    return urls
+
+
+def retry_after_s(header: str | None) -> float | None:
+    """Seconds to wait from a Retry-After header (seconds or an HTTP date), None if absent."""
+    if not header:
+        return None
+    try:
+        return max(0.0, float(header))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, email.utils.parsedate_to_datetime(header).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+@dataclass(eq=False)
+class _Server:
+    url: str
+    limit: int | None = None  # sequences in flight at most; None until GET /models answered
+    window: int = 1  # the current limit: halved by Retry-After, regrown by answers
+    honours_n: bool = False
+    vllm: bool = False
+    in_flight: int = 0
+    failures: int = 0  # in a row
+    last_failure: str = ""
+    ready_at: float = 0.0  # loop time before which nothing is sent
+    probing: bool = False
+    answered: int = 0  # sequences
+
+
+@dataclass(eq=False)
+class _Prompt:
+    prompt: Prompt
+    params: SamplingParams
+    future: Future
+    completions: list[Completion | None]
+    started: bool = False
+
+
+@dataclass(eq=False)
+class _Job:
+    """Some samples of one prompt, sent as one request."""
+
+    owner: _Prompt
+    samples: list[int]
+    failures: list[str] = field(default_factory=list)
+    failed_on: set[str] = field(default_factory=set)
 
 
 class OpenAILLM:
-    """An LLM behind an OpenAI-compatible HTTP API."""
+    """An LLM behind one or more OpenAI-compatible HTTP servers."""
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | Sequence[str],
         model: str | None = None,
         *,
         api_key: str | None = None,
-        max_concurrency: int = 16,
+        max_concurrency: int | None = None,
+        n_per_request: bool | None = None,
         max_retries: int = 4,
         retry_backoff: float = 0.5,
-        timeout: float = 600.0,
+        timeout: float = 3600.0,
     ):
-        if max_concurrency < 1:
+        if max_concurrency is not None and max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         if max_retries < 0:
             raise ValueError(f"max_retries must be at least 0, got {max_retries}")
-        self.base_url = base_url.rstrip("/")
+        self.base_urls = parse_base_urls(base_url)
         self.max_concurrency = max_concurrency
+        self.n_per_request = n_per_request
         self.max_retries = max_retries
         self.retry_backoff = retry_backoff
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._client = httpx.Client(
-            headers=headers,
-            timeout=timeout,
-            limits=httpx.Limits(
-                max_connections=max_concurrency, max_keepalive_connections=max_concurrency
-            ),
-        )
+        self._timeout = aiohttp.ClientTimeout(sock_connect=min(30.0, timeout), sock_read=timeout)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._servers = [_Server(url) for url in self.base_urls]
         self._model = model
-        self.name = f"openai:{self.base_url}" + (f":{model}" if model else "")
+        self.name = f"openai:{','.join(self.base_urls)}" + (f":{model}" if model else "")
+        self._queue: deque[_Job] = deque()
+        self._start_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+
+    # -- the caller's side (any thread) --------------------------------------------------------
 
     @property
     def model(self) -> str:
-        """The model named in requests: the one given, else the first the server lists."""
+        """The model named in requests: the one given, else the first the servers list."""
         if self._model is None:
-            listed = self._request("GET", "/models").get("data") or []
-            if not listed:
-                raise LLMServerError(
-                    f"{self.base_url}/models lists no model; pass model= explicitly"
-                )
-            self._model = listed[0]["id"]
+            asyncio.run_coroutine_threadsafe(self._find_model(), self._running_loop()).result()
         return self._model
 
-    def close(self) -> None:
-        self._client.close()
+    def submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> list[Future[list[Completion]]]:
+        owners = [_Prompt(p, params, Future(), [None] * params.n) for p in prompts]
+        jobs = [_Job(owner, list(range(params.n))) for owner in owners]
+        self._running_loop().call_soon_threadsafe(self._enqueue, jobs)
+        return [owner.future for owner in owners]
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
-        bodies = [
-            (prompt, self._body(prompt, params, sample))
-            for prompt in prompts
-            for sample in range(params.n)
-        ]
-        with ThreadPoolExecutor(max_workers=self.max_concurrency) as pool:
-            flat = list(pool.map(lambda job: self._complete(*job, params.stop), bodies))
-        return [flat[i : i + params.n] for i in range(0, len(flat), params.n)]
+        futures = self.submit(prompts, params)
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
 
-    def _body(self, prompt: Prompt, params: SamplingParams, sample: int) -> dict[str, Any]:
+    def close(self) -> None:
+        with self._start_lock:
+            loop, thread = self._loop, self._thread
+            self._loop = self._thread = None
+        if loop is None:
+            return
+        asyncio.run_coroutine_threadsafe(self._shutdown(), loop).result()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        loop.close()
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self._loop is None:
+                ready = threading.Event()
+                self._loop = asyncio.new_event_loop()
+                self._thread = threading.Thread(
+                    target=self._run_loop, args=(self._loop, ready), name="openai-llm", daemon=True
+                )
+                self._thread.start()
+                ready.wait()
+            return self._loop
+
+    # -- the loop's side ------------------------------------------------------------------------
+
+    def _run_loop(self, loop: asyncio.AbstractEventLoop, ready: threading.Event) -> None:
+        asyncio.set_event_loop(loop)
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        loop.call_soon(self._start, self._dispatch_forever())
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    async def _shutdown(self) -> None:
+        for job in self._queue:
+            job.owner.future.cancel()
+        self._queue.clear()
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await self._session.close()
+
+    def _enqueue(self, jobs: list[_Job]) -> None:
+        self._queue.extend(jobs)
+        self._wake.set()
+
+    async def _dispatch_forever(self) -> None:
+        # aiohttp, not httpx: httpx's connection pool scans every connection per request, which
+        # costs more than the requests themselves with a thousand in flight.
+        self._session = aiohttp.ClientSession(
+            headers=self._headers,
+            timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0),  # the windows bound what is in flight
+        )
+        while True:
+            self._wake.clear()
+            delay = self._dispatch()
+            try:
+                await asyncio.wait_for(self._wake.wait(), delay)
+            except TimeoutError:
+                pass
+
+    def _dispatch(self) -> float | None:
+        """Send what the servers have room for; the seconds until a paused server may take
+        more (None: wait to be woken)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for server in self._servers:
+            if server.limit is None and not server.probing and server.ready_at <= now:
+                server.probing = True
+                self._start(self._probe(server))
+        if self._queue and all(s.failures > self.max_retries for s in self._servers):
+            self._fail_everything()
+            return None
+        while self._queue:
+            job = self._queue[0]
+            if job.owner.future.cancelled():
+                self._queue.popleft()
+                continue
+            server = self._pick(job, now)
+            if server is None:
+                break
+            self._queue.popleft()
+            size = self._size(server, job)
+            if size < len(job.samples):  # the rest goes as another request, to whichever server
+                rest = _Job(job.owner, job.samples[size:], list(job.failures), set(job.failed_on))
+                self._queue.appendleft(rest)
+                job.samples = job.samples[:size]
+            if not job.owner.started:
+                job.owner.started = True
+                if not job.owner.future.set_running_or_notify_cancel():
+                    continue
+            server.in_flight += size
+            self._start(self._send(server, job, size))
+        waits = [s.ready_at - now for s in self._servers if s.ready_at > now]
+        return min(waits) if waits and self._queue else None
+
+    def _start(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._tasks.add(task)  # the loop keeps only weak references to its tasks
+        task.add_done_callback(self._tasks.discard)
+
+    def _size(self, server: _Server, job: _Job) -> int:
+        samples = len(job.samples)
+        if samples > 1 and server.honours_n and job.owner.params.temperature >= GREEDY_BELOW:
+            return samples
+        return 1
+
+    def _pick(self, job: _Job, now: float) -> _Server | None:
+        """The least loaded server with room for the job; not one it failed on while a healthy
+        server is left (the job then waits for room there)."""
+        usable = [s for s in self._servers if s.limit is not None]
+        if any(s.failures == 0 and s.url not in job.failed_on for s in usable):
+            usable = [s for s in usable if s.url not in job.failed_on]
+        ready = [
+            s
+            for s in usable
+            if s.ready_at <= now
+            and (s.in_flight == 0 or s.in_flight + self._size(s, job) <= s.window)
+        ]
+        return min(ready, key=lambda s: s.in_flight / s.window, default=None)
+
+    def server_stats(self) -> dict[str, dict[str, int]]:
+        """Per server: sequences answered, failures in a row, sequences in flight."""
+        return {
+            s.url: {"answered": s.answered, "failures": s.failures, "in_flight": s.in_flight}
+            for s in self._servers
+        }
+
+    def _fail_everything(self) -> None:
+        report = "; ".join(f"{s.url}: {s.last_failure}" for s in self._servers)
+        error = LLMServerError(
+            f"no server answers ({len(self._servers)} tried, each failed "
+            f"{self.max_retries + 1} times in a row): {report}"
+        )
+        while self._queue:
+            self._settle_error(self._queue.popleft().owner, error)
+
+    async def _probe(self, server: _Server) -> None:
+        try:
+            listed = (await self._get(server, "/models")).get("data") or []
+            if not listed and self._model is None:
+                raise LLMServerError(f"{server.url}/models lists no model; pass model=")
+        except (aiohttp.ClientError, TimeoutError, LLMServerError, ValueError) as exc:
+            self._server_failed(server, _describe(exc))
+        else:
+            if self._model is None:
+                self._model = listed[0]["id"]
+            fallback = listed[0] if listed else {}
+            entry = next((m for m in listed if m.get("id") == self._model), fallback)
+            server.vllm = entry.get("owned_by") == "vllm"
+            server.honours_n = server.vllm if self.n_per_request is None else self.n_per_request
+            default = VLLM_IN_FLIGHT if server.vllm else OTHER_IN_FLIGHT
+            server.limit = server.window = self.max_concurrency or default
+            server.failures = 0
+        finally:
+            server.probing = False
+            self._wake.set()
+
+    async def _find_model(self) -> None:
+        while self._model is None:
+            if all(s.failures > self.max_retries for s in self._servers):
+                report = "; ".join(f"{s.url}: {s.last_failure}" for s in self._servers)
+                raise LLMServerError(f"no server lists a model: {report}")
+            self._wake.set()
+            await asyncio.sleep(0.05)
+
+    async def _get(self, server: _Server, path: str) -> dict[str, Any]:
+        async with self._session.get(server.url + path) as response:
+            if response.status >= 400:
+                raise LLMServerError(f"GET {server.url}{path} answered HTTP {response.status}")
+            return await response.json(content_type=None)
+
+    async def _send(self, server: _Server, job: _Job, size: int) -> None:
+        owner = job.owner
+        path = "/chat/completions" if is_chat(owner.prompt) else "/completions"
+        url = server.url + path
+        body = self._body(owner.prompt, owner.params, job.samples[0], size, server.vllm)
+        try:
+            async with self._session.post(url, json=body) as response:
+                status, text = response.status, await response.text()
+                retry_after = response.headers.get("Retry-After")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self._retry(server, job, _describe(exc))
+            return
+        finally:
+            server.in_flight -= size
+            self._wake.set()
+        if status < 400:
+            self._answered(server, job, path, text)
+            return
+        failure = f"HTTP {status}: {text[:1000]}"
+        if status not in _RETRIED_STATUS:
+            self._settle_error(owner, LLMServerError(f"POST {url} answered {failure}"))
+            return
+        pause = retry_after_s(retry_after)
+        if pause is not None and status in (429, 503):
+            # The server asks for time: give it that, and fewer requests from now on.
+            server.ready_at = max(server.ready_at, asyncio.get_running_loop().time() + pause)
+            server.window = max(1, server.window // 2)
+            self._queue.appendleft(job)
+            return
+        self._retry(server, job, failure)
+
+    def _answered(self, server: _Server, job: _Job, path: str, text: str) -> None:
+        owner = job.owner
+        try:
+            completions = self._completions(json.loads(text), owner, len(job.samples))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            error = f"{server.url}{path} answered without {exc}: {text[:500]}"
+            self._settle_error(owner, LLMServerError(error))
+            return
+        server.failures = 0
+        server.answered += len(completions)
+        server.window = min(server.limit, server.window * 2)  # back to full after a failure
+        for sample, completion in zip(job.samples, completions, strict=False):
+            owner.completions[sample] = completion
+        if len(completions) < len(job.samples):  # it ignored n: one request per sample there
+            server.honours_n = False
+            self._queue.appendleft(_Job(owner, job.samples[len(completions) :]))
+        elif all(c is not None for c in owner.completions) and not owner.future.done():
+            owner.future.set_result(list(owner.completions))
+
+    def _retry(self, server: _Server, job: _Job, failure: str) -> None:
+        self._server_failed(server, failure)
+        job.failures.append(f"{server.url}: {failure}")
+        job.failed_on.add(server.url)
+        if len(job.failures) > self.max_retries:
+            attempts = "; ".join(job.failures)
+            error = f"a request failed {len(job.failures)} times, last on {server.url}: {attempts}"
+            self._settle_error(job.owner, LLMServerError(error))
+        else:
+            self._queue.appendleft(job)
+
+    def _server_failed(self, server: _Server, failure: str) -> None:
+        server.failures += 1
+        server.last_failure = failure
+        server.window = 1  # one request at a time until it answers again
+        backoff = min(MAX_BACKOFF_S, self.retry_backoff * 2 ** min(server.failures - 1, 10))
+        server.ready_at = asyncio.get_running_loop().time() + backoff
+
+    @staticmethod
+    def _settle_error(owner: _Prompt, error: Exception) -> None:
+        if not owner.future.done():
+            if not owner.started:
+                owner.started = owner.future.set_running_or_notify_cancel()
+                if not owner.started:
+                    return
+            owner.future.set_exception(error)
+
+    def _body(
+        self, prompt: Prompt, params: SamplingParams, first_sample: int, n: int, vllm: bool
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
-            "model": self.model,
+            "model": self._model,
             "max_tokens": params.max_tokens,
             "temperature": params.temperature,
             "top_p": params.top_p,
         }
+        if n > 1:
+            body["n"] = n
+            if vllm:  # each sample's token count (vLLM's usage sums them)
+                body["return_token_ids"] = True
         if params.stop:
             body["stop"] = list(params.stop)
         if params.seed is not None:
-            body["seed"] = params.seed + sample
+            body["seed"] = params.seed + first_sample
         if not is_chat(prompt):
             body["prompt"] = prompt
             return body
@@ -128,46 +503,36 @@ class OpenAILLM:
             body.update(continue_final_message=True, add_generation_prompt=False)
         return body
 
-    def _complete(self, prompt: Prompt, body: dict[str, Any], stop: Sequence[str]) -> Completion:
-        path = "/chat/completions" if is_chat(prompt) else "/completions"
-        answer = self._request("POST", path, body)
-        try:
-            choice = answer["choices"][0]
-            text = choice["message"]["content"] if is_chat(prompt) else choice["text"]
-            usage = answer["usage"]
-            prompt_tokens, completion_tokens = usage["prompt_tokens"], usage["completion_tokens"]
-        except (KeyError, IndexError, TypeError) as exc:
-            raise LLMServerError(
-                f"{self.base_url}{path} answered without {exc}: {answer!r:.500}"
-            ) from exc
-        text, stop_string = truncate_at_stop(text or "", stop)
-        reason = choice.get("finish_reason")
-        if stop_string is None and reason == "stop" and isinstance(choice.get("stop_reason"), str):
-            # vLLM strips the stop string from the text and names it here.
-            stop_string = choice["stop_reason"]
-        if stop_string is not None:
-            finish = "stop"
-        else:
-            finish = "length" if reason == "length" else "eos"
-        return Completion(text, finish, stop_string, prompt_tokens, completion_tokens)
+    @staticmethod
+    def _completions(answer: dict[str, Any], owner: _Prompt, asked: int) -> list[Completion]:
+        """The answer's choices as completions, in sample order."""
+        choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+        if not choices:
+            raise ValueError("choices")
+        usage = answer["usage"]
+        prompt_tokens = usage["prompt_tokens"]
+        out = []
+        if len(choices) > 1 and any(c.get("token_ids") is None for c in choices):
+            return []  # no count of each sample's tokens: ask for them one by one
+        for choice in choices[:asked]:
+            tokens = usage["completion_tokens"] if len(choices) == 1 else len(choice["token_ids"])
+            out.append(_completion(choice, owner, prompt_tokens, tokens))
+        return out
 
-    def _request(
-        self, method: str, path: str, body: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        url = self.base_url + path
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                response = self._client.request(method, url, json=body)
-            except httpx.TransportError as exc:
-                failure = repr(exc)
-            else:
-                if response.status_code < 400:
-                    return response.json()
-                failure = f"HTTP {response.status_code}: {response.text[:1000]}"
-                if response.status_code not in _RETRIED_STATUS:
-                    raise LLMServerError(f"{method} {url} answered {failure}")
-            if attempt > self.max_retries:
-                raise LLMServerError(f"{method} {url} failed after {attempt} attempts: {failure}")
-            time.sleep(self.retry_backoff * 2 ** (attempt - 1))
+
+def _completion(choice: dict, owner: _Prompt, prompt_tokens: int, tokens: int) -> Completion:
+    text = choice["message"]["content"] if is_chat(owner.prompt) else choice["text"]
+    text, stop_string = truncate_at_stop(text or "", owner.params.stop)
+    reason = choice.get("finish_reason")
+    if stop_string is None and reason == "stop" and isinstance(choice.get("stop_reason"), str):
+        # vLLM strips the stop string from the text and names it here.
+        stop_string = choice["stop_reason"]
+    if stop_string is not None:
+        finish = "stop"
+    else:
+        finish = "length" if reason == "length" else "eos"
+    return Completion(text, finish, stop_string, prompt_tokens, tokens)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, LLMServerError) else repr(exc)

@@ -2,8 +2,12 @@
 
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
-RSTAR_LLM_BASE_URL and RSTAR_LLM_API_KEY (openai backend), RSTAR_SPARSE_ATTENTION and
-RSTAR_GATE_CHECKPOINT (SeerAttention-R sparse decoding, transformers and vllm backends).
+RSTAR_LLM_BATCH_SIZE (transformers backend: prompts per generate call, each batch's completions
+committed together),
+RSTAR_LLM_BASE_URL (one server or several separated by commas), RSTAR_LLM_API_KEY and
+RSTAR_LLM_N_PER_REQUEST (openai backend), RSTAR_SPARSE_ATTENTION and RSTAR_GATE_CHECKPOINT
+(SeerAttention-R sparse decoding, transformers and vllm backends; a sparse server for the openai
+backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
 Sparse settings are part of `model_id`, so completions cached from dense decoding are not reused
@@ -20,7 +24,7 @@ from pydantic import PrivateAttr
 
 from rstar_pipelines.pipeline.progress import CountingLLM
 
-from . import LLM, load_llm
+from . import LLM, SamplingParams, load_llm
 from .sparse import SeerSettings
 
 
@@ -29,10 +33,15 @@ class LLMResource(dg.ConfigurableResource):
 
     backend: str | None = None
     model: str | None = None
+    # openai backend: one server (or several, comma-separated) in base_url, or a list of them.
     base_url: str | None = None
+    base_urls: list[str] | None = None
     api_key: str | None = None
     batch_size: int | None = None
+    # openai backend: sequences in flight per server (default: 1024 on vLLM, else 16), and
+    # whether a server honours `n` (default: detected, vLLM does).
     max_concurrency: int | None = None
+    n_per_request: bool | None = None
     device: str | None = None
     dtype: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
@@ -71,6 +80,14 @@ class LLMResource(dg.ConfigurableResource):
             self._clients[key] = CountingLLM(llm)
         return self._clients[key]
 
+    def check_sampling(self, params: SamplingParams, model: str | None = None) -> None:
+        """Refuse, before any engine starts, sampling settings the backend of `model` would
+        refuse (vLLM's limits for the vllm backend)."""
+        if self._resolve(model)[0] == "vllm":
+            from .vllm_backend import check_vllm_sampling
+
+            check_vllm_sampling(params)
+
     def _seer(self, backend: str) -> SeerSettings | None:
         """The sparse decoding settings (env fallbacks included), None for dense decoding."""
         seer = SeerSettings.from_options(
@@ -82,22 +99,27 @@ class LLMResource(dg.ConfigurableResource):
         if seer is not None and backend == "openai":
             raise ValueError(
                 "sparse_attention='seer' runs in-process (transformers or vllm backend); an "
-                "openai server chooses its own attention"
+                "openai server chooses its own attention: start a sparse vLLM server with "
+                "`rstar serve MODEL --gates DIR` and use the RSTAR_LLM_* settings it prints"
             )
         return seer
 
     def _options(self, backend: str) -> dict[str, Any]:
         seer = self._seer(backend)
         if backend == "transformers":
-            options = {"batch_size": self.batch_size, "device": self.device, "dtype": self.dtype}
+            batch_size = self.batch_size or os.environ.get("RSTAR_LLM_BATCH_SIZE")
+            options = {
+                "batch_size": int(batch_size) if batch_size else None,
+                "device": self.device,
+                "dtype": self.dtype,
+            }
         elif backend == "openai":
             options = {
-                "base_url": self.base_url or os.environ.get("RSTAR_LLM_BASE_URL"),
+                "base_url": self._base_urls(),
                 "api_key": self.api_key or os.environ.get("RSTAR_LLM_API_KEY"),
                 "max_concurrency": self.max_concurrency,
+                "n_per_request": self._n_per_request(),
             }
-            if options["base_url"] is None:
-                raise ValueError("the openai LLM backend needs base_url (or RSTAR_LLM_BASE_URL)")
         else:
             options = {"dtype": self.dtype}
         if seer is not None:
@@ -108,3 +130,26 @@ class LLMResource(dg.ConfigurableResource):
                 sparse_threshold=seer.threshold,
             )
         return {name: value for name, value in options.items() if value is not None}
+
+    def _base_urls(self) -> list[str]:
+        from .openai_backend import parse_base_urls
+
+        given = [(name, value) for name, value in (("base_url", self.base_url),
+                 ("base_urls", self.base_urls)) if value]  # fmt: skip
+        if not given and os.environ.get("RSTAR_LLM_BASE_URL"):
+            given = [("RSTAR_LLM_BASE_URL", os.environ["RSTAR_LLM_BASE_URL"])]
+        if not given:
+            raise ValueError(
+                "the openai LLM backend needs base_url or base_urls (or RSTAR_LLM_BASE_URL)"
+            )
+        return [url for name, value in given for url in parse_base_urls(value, name)]
+
+    def _n_per_request(self) -> bool | None:
+        if self.n_per_request is not None:
+            return self.n_per_request
+        value = os.environ.get("RSTAR_LLM_N_PER_REQUEST", "").strip().lower()
+        if value in ("", "auto"):
+            return None
+        if value not in ("1", "true", "yes", "0", "false", "no"):
+            raise ValueError(f"RSTAR_LLM_N_PER_REQUEST must be true, false or auto, not {value!r}")
+        return value in ("1", "true", "yes")

@@ -1,10 +1,15 @@
-"""The types every LLM backend shares: sampling parameters, completions, prompts, the protocol."""
+"""The types every LLM backend shares: sampling parameters, completions, prompts, the protocol,
+and the asynchronous submission beside `generate` (`submit`, `stream`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import threading
+import weakref
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -70,6 +75,122 @@ class LLM(Protocol):
     def generate(
         self, prompts: Sequence[Prompt], params: SamplingParams
     ) -> list[list[Completion]]: ...
+
+
+@runtime_checkable
+class AsyncLLM(LLM, Protocol):
+    """An LLM that takes prompts one by one and answers each as soon as its completions are in
+    (the openai backend over a fleet of servers). Others get `GenerateBatcher` from `submit`."""
+
+    def submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> list[Future[list[Completion]]]: ...
+
+
+def submit(
+    llm: LLM, prompts: Sequence[Prompt], params: SamplingParams
+) -> list[Future[list[Completion]]]:
+    """One future per prompt, resolved with its `params.n` completions as soon as they are in,
+    whatever the others do. Cancelling a future that has not started withdraws its prompt."""
+    if isinstance(llm, AsyncLLM):
+        return llm.submit(prompts, params)
+    return GenerateBatcher.of(llm).submit(prompts, params)
+
+
+def stream(
+    llm: LLM, prompts: Sequence[Prompt], params: SamplingParams
+) -> Iterator[tuple[int, list[Completion]]]:
+    """(index, completions) for each prompt in the order they finish. On an error the prompts
+    not yet started are withdrawn and the error is raised once the started ones have ended."""
+    futures = submit(llm, prompts, params)
+    index = {future: i for i, future in enumerate(futures)}
+    pending = set(futures)
+    try:
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for future in done:
+                yield index[future], future.result()
+    finally:
+        for future in pending:
+            future.cancel()
+
+
+class GenerateBatcher:
+    """`submit` for an LLM that has only `generate` (transformers, in-process vLLM, test
+    fakes): one worker thread calls `generate` on what is waiting, the oldest prompt's params
+    with every other prompt waiting with the same params, at most `max_batch` of them (the
+    LLM's `batch_size` when it has one); prompts submitted meanwhile go in a later call. There
+    is one batcher per LLM object, so callers on several threads share its batches and the
+    model is never asked to generate twice at once. The thread ends when nothing waits."""
+
+    DEFAULT_MAX_BATCH = 16
+    _batchers: ClassVar[weakref.WeakKeyDictionary] = weakref.WeakKeyDictionary()
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+
+    def __init__(self, llm: LLM, max_batch: int | None = None):
+        self.llm = llm
+        self.max_batch = max_batch or getattr(llm, "batch_size", None) or self.DEFAULT_MAX_BATCH
+        self._waiting: deque[tuple[Prompt, SamplingParams, Future]] = deque()
+        self._cond = threading.Condition()
+        self._working = False
+
+    @classmethod
+    def of(cls, llm: LLM) -> GenerateBatcher:
+        with cls._lock:
+            try:
+                batcher = cls._batchers.get(llm)
+            except TypeError:  # not weak-referenceable: a batcher of its own each time
+                return cls(llm)
+            if batcher is None:
+                batcher = cls._batchers[llm] = cls(llm)
+            return batcher
+
+    def submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> list[Future[list[Completion]]]:
+        futures: list[Future[list[Completion]]] = [Future() for _ in prompts]
+        with self._cond:
+            self._waiting.extend(zip(prompts, [params] * len(futures), futures, strict=True))
+            if not self._working and self._waiting:
+                self._working = True
+                threading.Thread(target=self._work, name="generate-batcher", daemon=True).start()
+        return futures
+
+    def _next_batch(self) -> tuple[SamplingParams, list[tuple[Prompt, Future]]] | None:
+        with self._cond:
+            while self._waiting and self._waiting[0][2].cancelled():
+                self._waiting.popleft()
+            if not self._waiting:
+                self._working = False
+                return None
+            params = self._waiting[0][1]
+            batch, rest = [], deque()
+            for item in self._waiting:
+                if item[1] == params and len(batch) < self.max_batch:
+                    if item[2].set_running_or_notify_cancel():
+                        batch.append((item[0], item[2]))
+                else:
+                    rest.append(item)
+            self._waiting = rest
+            return params, batch
+
+    def _work(self) -> None:
+        while (taken := self._next_batch()) is not None:
+            params, batch = taken
+            if not batch:
+                continue
+            try:
+                outputs = self.llm.generate([prompt for prompt, _ in batch], params)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(
+                        f"LLM {self.llm.name!r} answered {len(outputs)} prompts of {len(batch)}"
+                    )
+            except BaseException as exc:  # the callers get the error, the worker goes on
+                for _, future in batch:
+                    future.set_exception(exc)
+                continue
+            for (_, future), completions in zip(batch, outputs, strict=True):
+                future.set_result(completions)
 
 
 def truncate_at_stop(text: str, stop: Sequence[str]) -> tuple[str, str | None]:

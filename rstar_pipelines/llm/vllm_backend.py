@@ -13,6 +13,11 @@ gate checkpoint and budget to vLLM's workers through the environment. Also not r
 
 vLLM already strips the matched stop string from the text and reports it as `stop_reason`
 (None when the completion ended with EOS; an int for a stop token id, which we do not send).
+
+Sampling settings vLLM 0.32.0 refuses are refused here first, with the field named
+(`check_vllm_sampling`; the LLM resource calls it before a stage loads the engine): temperature
+above 2, and n > 1 with greedy decoding (vLLM's own checks: vllm/sampling_params.py, lines
+612-617, 665-670 and 766-770).
 """
 
 from __future__ import annotations
@@ -25,6 +30,27 @@ from typing import Any
 
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat
+
+# vllm/sampling_params.py: _SAMPLING_EPS (greedy below it) and the temperature range.
+VLLM_GREEDY_BELOW = 1e-5
+VLLM_MAX_TEMPERATURE = 2.0
+VLLM_MAX_N = 16384  # VLLM_MAX_N_SEQUENCES's default (vllm/envs.py)
+
+
+def check_vllm_sampling(params: SamplingParams) -> None:
+    """Raise ValueError, naming the field, for sampling settings vLLM would refuse."""
+    if params.temperature > VLLM_MAX_TEMPERATURE:
+        raise ValueError(
+            f"sampling.temperature={params.temperature}: vLLM accepts temperatures in [0, 2]"
+        )
+    if params.temperature < VLLM_GREEDY_BELOW and params.n > 1:
+        raise ValueError(
+            f"sampling.n={params.n} with temperature={params.temperature}: vLLM decodes greedily "
+            "below 1e-5 and then refuses n > 1 (the samples would be identical); use n=1 or a "
+            "temperature above 0"
+        )
+    if params.n > VLLM_MAX_N:
+        raise ValueError(f"sampling.n={params.n}: vLLM takes at most {VLLM_MAX_N} per request")
 
 
 class VllmLLM:
@@ -44,6 +70,12 @@ class VllmLLM:
             sparse_attention, gate_checkpoint, token_budget, sparse_threshold
         )
         if seer is not None:
+            tp = engine_kwargs.get("tensor_parallel_size", 1)
+            if tp != 1:
+                raise ValueError(
+                    f"tensor_parallel_size={tp}: the SeerAttention-R vLLM backend runs with "
+                    "tensor_parallel_size=1 only (its gates hold every KV head of a layer)"
+                )
             engine_kwargs = {**engine_kwargs, **seer_engine_options(seer)}
         import vllm
 
@@ -52,6 +84,7 @@ class VllmLLM:
         self._engine = vllm.LLM(model=model, **engine_kwargs)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        check_vllm_sampling(params)
         sampling = self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,

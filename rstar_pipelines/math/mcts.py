@@ -12,9 +12,12 @@ up instead, and the gold answer is never read.
 
 Many trees are searched at once. Each tree is a generator that yields what it waits
 for (completions, program runs, PPM scores); the scheduler sends every pending request
-of a kind as one batch to the policy, the sandbox or the PPM, and resumes a tree as soon
-as its own answer is back: a tree is never held for the slowest one (unless
-`lockstep`, the reference's schedule, kept for comparison).
+of a kind together to the policy (through `llm.types.submit`, one future per prompt),
+the sandbox or the PPM, and resumes a tree as soon as its own answer is back: a tree is
+never held for the slowest one (unless `lockstep`, the reference's schedule, kept for
+comparison). A policy that takes prompts one by one (`AsyncLLM`: the openai backend over a
+fleet of servers) gets each expansion as soon as its tree asks; one that batches
+`generate` calls gets what is pending while its previous call runs.
 
     trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
     trees[0].nodes  # the node table
@@ -32,7 +35,7 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from rstar_pipelines.llm.types import LLM, Completion, Prompt, SamplingParams
+from rstar_pipelines.llm.types import LLM, AsyncLLM, Completion, Prompt, SamplingParams, submit
 from rstar_pipelines.math.answers import equivalent
 from rstar_pipelines.math.interpreter import interpreter_program, reference_program
 from rstar_pipelines.math.steps import (
@@ -459,6 +462,8 @@ class MCTSSearch:
         self.ppm = ppm
         self.prompt = prompt
         self.stats = SearchStats()
+        # Servers batch continuously: an expansion goes out as soon as its tree asks.
+        self._streamed = isinstance(policy, AsyncLLM)
 
     def run(self, problems: Sequence[Problem]) -> list[Tree]:
         from rstar_sandbox import Job
@@ -481,7 +486,6 @@ class MCTSSearch:
             memory_mb=self.config.exec_memory_mb,
         )
         lanes = {
-            _Generate: self._generate,
             _Execute: lambda reqs: self._execute(reqs, job),
             _Score: self._score,
         }
@@ -501,8 +505,13 @@ class MCTSSearch:
                 for kind in self._lanes_to_start(pending, in_flight, open_trees, held_since, now):
                     batch, pending[kind] = pending[kind], []
                     held_since.pop(kind, None)
-                    if kind is _Generate:
+                    if kind is _Generate:  # one future per tree: each resumes on its own
                         self.stats.open_trees_at_llm_call.append(open_trees)
+                        futures = self._generate([r for _, r in batch])
+                        in_flight.update(
+                            (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
+                        )
+                        continue
                     future = pool.submit(lanes[kind], [r for _, r in batch])
                     in_flight[future] = (kind, batch)
                 self.stats.engine_s += time.perf_counter() - engine_start
@@ -512,8 +521,8 @@ class MCTSSearch:
                 timeout = max(0.0, min(deadlines) - now) if deadlines else None
                 done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
                 for future in done:
-                    _, batch = in_flight.pop(future)
-                    replies = future.result()
+                    kind, batch = in_flight.pop(future)
+                    replies = [future.result()] if kind is _Generate else future.result()
                     ready.extend(zip((i for i, _ in batch), replies, strict=True))
         self.stats.wall_s += time.perf_counter() - start
         return trees
@@ -529,9 +538,14 @@ class MCTSSearch:
                 return []
             return next(([k] for k in (_Execute, _Score, _Generate) if pending[k]), [])
         active = busy | {kind for kind, requests in pending.items() if requests}
+        if self._streamed:
+            busy.discard(_Generate)  # the servers take requests while they decode others
         start = []
         for kind, requests in pending.items():
             if not requests or kind in busy:
+                continue
+            if kind is _Generate and self._streamed:
+                start.append(kind)
                 continue
             # A model call costs about the same for one prompt as for many, so the model
             # lanes wait a little for the trees whose code is still running; the sandbox
@@ -553,15 +567,24 @@ class MCTSSearch:
             return max(MIN_GATHER_S, 0.1 * self.stats.ppm_s / self.stats.ppm_calls)
         return MIN_GATHER_S
 
-    def _generate(self, requests: list[_Generate]) -> list[list[Completion]]:
+    def _generate(self, requests: list[_Generate]) -> list[Future[list[Completion]]]:
+        """Submit the expansions together; `llm_s` gains the time until the last is back."""
         start = time.perf_counter()
         sampling = self.config.sampling(self.stats.llm_calls)
         self.stats.llm_calls += 1
         self.stats.expansions += len(requests)
         self.stats.llm_batch_sizes.append(len(requests))
-        out = self.policy.generate([r.prompt for r in requests], sampling)
-        self.stats.llm_s += time.perf_counter() - start
-        return out
+        futures = submit(self.policy, [r.prompt for r in requests], sampling)
+        left = [len(futures)]
+
+        def finished(_: Future) -> None:
+            left[0] -= 1
+            if left[0] == 0:
+                self.stats.llm_s += time.perf_counter() - start
+
+        for future in futures:
+            future.add_done_callback(finished)
+        return futures
 
     def _execute(self, requests: list[_Execute], job) -> list[list[Any]]:
         start = time.perf_counter()

@@ -1,14 +1,21 @@
 """The models a stage generates with: LLM completions cached per prompt (so a re-run redoes only
-what changed), and the trained checkpoints (a policy, a PPM) a later stage reads by path."""
+what changed), and the trained checkpoints (a policy, a PPM) a later stage reads by path.
+
+Every uncached prompt is submitted at once (`rstar_pipelines.llm.types.submit`): the LLM backend
+decides how many are in flight (the openai backend fills each server's batch; an in-process model
+takes `batch_size` at a time), and each prompt's completions are committed to the item cache as
+soon as they are in, so a crash loses only what was in flight and nothing waits for the slowest
+completion of a batch.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import pyarrow as pa
-from pydantic import Field
 
 from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.types import Completion, submit
 from rstar_pipelines.pipeline.item_cache import ItemCache, fingerprint
 from rstar_pipelines.pipeline.stage import Stage, StageContext, StageInputError, StageParams
 
@@ -16,7 +23,6 @@ from rstar_pipelines.pipeline.stage import Stage, StageContext, StageInputError,
 class LLMStageParams(StageParams):
     model: str  # a role of the pipeline's models section
     sampling: SamplingParams = SamplingParams()
-    chunk: int = Field(16, ge=1, description="prompts per LLM batch (and per cache commit)")
 
 
 class StageLLM:
@@ -26,34 +32,24 @@ class StageLLM:
     def __init__(self, stage: Stage, ctx: StageContext):
         resource = ctx.resource("llm")
         self.name = resource.model_id(stage.model)
-        self._load = lambda: resource.get_llm(stage.model)
+        self._resource = resource
+        self._model = stage.model
 
     def complete(
-        self, prompts: Sequence[str], sampling: SamplingParams, cache: ItemCache, chunk: int
+        self, prompts: Sequence[str], sampling: SamplingParams, cache: ItemCache
     ) -> list[list[dict]]:
         """`sampling.n` completions per prompt (each prompt sent as one user message), as
-        plain dicts {text, finish_reason, completion_tokens}; `chunk` prompts per batch."""
+        plain dicts {text, finish_reason, completion_tokens}."""
 
         def key(prompt: str) -> str:
             return fingerprint(self.name, sampling.model_dump(mode="json"), prompt)
 
-        def compute(batch: list[str]) -> list[list[dict]]:
-            outputs = self._load().generate(
-                [[{"role": "user", "content": p}] for p in batch], sampling
-            )
-            return [
-                [
-                    {
-                        "text": c.text,
-                        "finish_reason": c.finish_reason,
-                        "completion_tokens": c.completion_tokens,
-                    }
-                    for c in completions
-                ]
-                for completions in outputs
-            ]
+        def send(batch: list[str]):
+            self._resource.check_sampling(sampling, self._model)
+            llm = self._resource.get_llm(self._model)
+            return submit(llm, [[{"role": "user", "content": p}] for p in batch], sampling)
 
-        return cache.map(list(prompts), key, compute, chunk)
+        return cache.map_async(list(prompts), key, send, _as_dicts)
 
 
 def checkpoint_path(inputs: dict[str, pa.Table], name: str) -> str | None:
@@ -90,3 +86,14 @@ class CheckpointModels:
         from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 
         return ProcessPreferenceModel.load(self.ppm_path)
+
+
+def _as_dicts(completions: list[Completion]) -> list[dict]:
+    return [
+        {
+            "text": c.text,
+            "finish_reason": c.finish_reason,
+            "completion_tokens": c.completion_tokens,
+        }
+        for c in completions
+    ]

@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, TypeVar
 
 from rstar_pipelines.pipeline import progress
@@ -80,6 +81,48 @@ class ItemCache:
                     results[i] = value
                 if task is not None:
                     task.advance(len(batch))
+        return results
+
+    def map_async(
+        self,
+        items: Sequence[T],
+        key: Callable[[T], str],
+        submit: Callable[[list[T]], list[Future]],
+        value: Callable[[Any], Any] = lambda result: result,
+    ) -> list[Any]:
+        """Results for `items` in order, as `map`, but without batches: the missing items are
+        submitted at once (`submit` returns a future per item) and each is committed as soon
+        as its future is done, whatever the others do. On an error, the items not yet started
+        are withdrawn, the ones running are awaited and committed, and the error is raised."""
+        keys = [key(item) for item in items]
+        results: list[Any] = [self.get(k) for k in keys]
+        todo = [i for i, r in enumerate(results) if r is None]
+        self.hits += len(items) - len(todo)
+        self.misses += len(todo)
+        if not todo:
+            return results
+        with progress.track(len(todo), cached=len(items) - len(todo)) as task:
+            futures = submit([items[i] for i in todo])
+            index = dict(zip(futures, todo, strict=True))
+            pending, error = set(futures), None
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    if future.cancelled():
+                        continue
+                    if future.exception() is not None:
+                        if error is None:
+                            error = future.exception()
+                            for other in pending:
+                                other.cancel()
+                        continue
+                    i = index[future]
+                    results[i] = value(future.result())
+                    self.put(keys[i], results[i])
+                    if task is not None:
+                        task.advance(1)
+        if error is not None:
+            raise error
         return results
 
     @property

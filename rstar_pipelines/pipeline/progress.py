@@ -173,19 +173,36 @@ def count(**amounts: int) -> None:
 
 
 class CountingLLM:
-    """An LLM that reports the completions and tokens of each `generate` call."""
+    """An LLM that reports the completions and tokens of each `generate` call, and of each
+    submitted prompt as it is answered."""
 
     def __init__(self, llm: Any):
         self._llm = llm
 
     def generate(self, prompts: Any, params: Any) -> Any:
         outputs = self._llm.generate(prompts, params)
-        completions = [c for out in outputs for c in out]
-        count(completions=len(completions), tokens=sum(c.completion_tokens for c in completions))
+        _count_completions([c for out in outputs for c in out])
         return outputs
+
+    def submit(self, prompts: Any, params: Any) -> Any:
+        from rstar_pipelines.llm.types import submit
+
+        futures = submit(self._llm, prompts, params)
+        for future in futures:
+            future.add_done_callback(_count_answered)
+        return futures
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
+
+
+def _count_completions(completions: list) -> None:
+    count(completions=len(completions), tokens=sum(c.completion_tokens for c in completions))
+
+
+def _count_answered(future: Any) -> None:
+    if not future.cancelled() and future.exception() is None:
+        _count_completions(future.result())
 
 
 class CountingSandbox:

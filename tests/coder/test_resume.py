@@ -18,7 +18,7 @@ MATH = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 4), (10, 7), (6, 9), (
 
 
 def _pipeline_copy(tmp_path):
-    """The declared pipeline with one problem per LLM batch, so each is committed alone."""
+    """The declared pipeline with fewer samples, so the run is short."""
     assets = tmp_path / "assets"
     shutil.copytree(REPO / "assets", assets)
     doc = yaml.safe_load((assets / "pipeline.yaml").read_text())
@@ -26,7 +26,6 @@ def _pipeline_copy(tmp_path):
         if entry["key"] == "synthesized_problems":
             entry["params"]["max_seeds_per_domain"] = 0
         if entry["key"] == "candidate_solutions":
-            entry["params"]["chunk"] = 1
             entry["params"]["sampling"].update(n=2, max_tokens=48)
     (assets / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
     return assets
@@ -50,14 +49,22 @@ def _cached_items(path) -> int:
     if not path.exists():
         return 0
     with sqlite3.connect(path) as db:
-        return db.execute("select count(*) from items").fetchone()[0]
+        try:
+            return db.execute("select count(*) from items").fetchone()[0]
+        except sqlite3.OperationalError:  # the run has created the file, not yet the table
+            return 0
 
 
 def test_killed_run_reuses_finished_items(tmp_path, incoming, isolated_dirs):
     (incoming / "r.jsonl").write_text(
         "\n".join(json.dumps({"problem": p, "answer": "0"}) for p in MATH) + "\n"
     )
-    env = {**os.environ, "RSTAR_ASSETS_DIR": str(_pipeline_copy(tmp_path))}
+    # One prompt per generate call: each problem's completions are committed as they come.
+    env = {
+        **os.environ,
+        "RSTAR_ASSETS_DIR": str(_pipeline_copy(tmp_path)),
+        "RSTAR_LLM_BATCH_SIZE": "1",
+    }
     with dg.DagsterInstance.get() as instance:
         instance.add_dynamic_partitions("seed_batches", ["r"])
     prep = _materialize_command("seed_problems,seed_rejects,synthesized_problems")

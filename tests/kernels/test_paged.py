@@ -1,7 +1,11 @@
-"""The paged decode path (vLLM's cache layout) against the contiguous one built from the same
-keys: compressed gate keys, selected blocks and attention output must agree."""
+"""The paged decode path on KV caches laid out exactly as vLLM 0.32.0 lays them out, against the
+contiguous path built from the same keys: compressed gate keys, selected blocks and attention
+output must agree. Where vLLM does what the helpers below copy: rstar_kernels/vllm_layout.py."""
 
 from __future__ import annotations
+
+import copy
+from math import prod
 
 import pytest
 import torch
@@ -13,9 +17,53 @@ from rstar_kernels.cache import CompressedKeyCache
 from rstar_kernels.gate import GateConfig, SeerGates
 from rstar_kernels.paged import HeadRotary, PagedGateKeys, gather_selected, paged_sparse_decode
 from rstar_kernels.selection import select_blocks
+from rstar_kernels.vllm_layout import (
+    SeerLayer,
+    Selection,
+    check_layer_heads,
+    sparse_kv_cache_dtype,
+    split_kv_cache,
+)
+from rstar_kernels.vllm_plugin import BUDGET_ENV, GATE_ENV, THRESHOLD_ENV, settings_from_env
 
 BLOCK = 16
 HEADS, KV_HEADS, DIM = 4, 2, 16
+NUM_BLOCKS = 40
+# vllm/v1/kv_cache_layout.py lines 23-24: stride orders over the logical [L, B, H, N, C] axes.
+# LBNHC is the default when no backend declares a layout (FlashAttention declares none).
+LAYOUTS = {"LBNHC": (0, 1, 3, 2, 4), "LBHNC": (0, 1, 2, 3, 4)}
+
+
+def vllm_kv_caches(num_layers, layout, dtype=torch.float32, num_blocks=NUM_BLOCKS):
+    """Per-layer caches as vLLM 0.32.0 allocates them (vllm/v1/kv_cache_interface.py): the
+    logical shape (L, num_blocks, H_kv, block_size, C) with C = 2·head_size in bytes
+    (`compute_layer_kv_cache_shape_bytes`, lines 319-335), strides laid out in the layout's order
+    (`compute_layout_strides`, lines 338-374), one as_strided view of a flat int8 buffer, each
+    layer viewed as the cache dtype (`create_kv_cache_views`, lines 377-441). Filled with NaN,
+    so a read of an unwritten slot shows."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    shape = (num_layers, num_blocks, KV_HEADS, BLOCK, 2 * DIM * itemsize)
+    strides = [0] * 5
+    current = 1
+    for dim in reversed(LAYOUTS[layout]):
+        strides[dim] = current
+        current *= shape[dim]
+    raw = torch.empty(prod(shape), dtype=torch.int8)
+    views = [torch.as_strided(raw, shape, strides)[i].view(dtype) for i in range(num_layers)]
+    for view in views:
+        view.fill_(float("nan"))
+    return views
+
+
+def write_kv(kv_cache, key, value, slot_mapping):
+    """What vLLM's cache write does (triton_reshape_and_cache_flash.py lines 60-67 and the
+    split of flash_attn.py line 1443): token i goes to page slot // block_size, offset
+    slot % block_size; slot -1 is padding."""
+    key_cache, value_cache = kv_cache.transpose(1, 2).split(DIM, dim=-1)
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot >= 0:
+            key_cache[slot // BLOCK, slot % BLOCK] = key[i]
+            value_cache[slot // BLOCK, slot % BLOCK] = value[i]
 
 
 def _model_config(rope_scaling=None):
@@ -31,115 +79,198 @@ def _model_config(rope_scaling=None):
     return config
 
 
+def _gate(rope_scaling=None):
+    model_config = _model_config(rope_scaling)
+    config = GateConfig.for_model(model_config, block_size=BLOCK, gate_dim=16)
+    return model_config, config, SeerGates(config)[0]
+
+
 def _rotate(model_config, x, positions):
     """Post-RoPE x [B, H, L, D] by transformers' own Llama RoPE."""
     cos, sin = LlamaRotaryEmbedding(model_config)(x, positions)
     return apply_rotary_pos_emb(x, x, cos, sin)[0]
 
 
-def _paged(cache, seq_lens, pages_per_row, num_pages, generator):
-    """Scatter contiguous [B, H_kv, L, D] into pages [num_pages, b, H_kv, D] at random pages."""
-    batch = cache.shape[0]
-    table = torch.randperm(num_pages, generator=generator)[: batch * pages_per_row]
-    table = table.view(batch, pages_per_row).to(torch.int32)
-    paged = torch.full((num_pages, BLOCK, KV_HEADS, DIM), float("nan"))
-    for row in range(batch):
-        for block in range(-(-int(seq_lens[row]) // BLOCK)):
-            end = min((block + 1) * BLOCK, int(seq_lens[row]))
-            chunk = cache[row, :, block * BLOCK : end].transpose(0, 1)
-            paged[table[row, block], : end - block * BLOCK] = chunk
-    return paged, table
+class Requests:
+    """Random pre-RoPE keys, values and queries of a batch, their post-RoPE versions, and a
+    vLLM block table of random distinct pages (as vLLM's allocator hands them out)."""
 
-
-@pytest.mark.parametrize("mode", [{"token_budget": 2 * BLOCK}, {"threshold": 0.05}])
-@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0}])
-def test_paged_decode_matches_contiguous(mode, rope_scaling):
-    generator = torch.Generator().manual_seed(0)
-    model_config = _model_config(rope_scaling)
-    config = GateConfig.for_model(model_config, block_size=BLOCK, gate_dim=16)
-    gate = SeerGates(config)[0]
-    seq_lens = torch.tensor([7 * BLOCK + 5, 4 * BLOCK, 1], dtype=torch.int32)
-    length = int(seq_lens.max())
-    batch = len(seq_lens)
-    positions = torch.arange(length).expand(batch, length)
-    k_pre = torch.randn(batch, KV_HEADS, length, DIM, generator=generator)
-    v = torch.randn(batch, KV_HEADS, length, DIM, generator=generator)
-    q_pre = torch.randn(batch, HEADS, DIM, generator=generator)
-    k_post = _rotate(model_config, k_pre, positions)
-    q_post = torch.stack(
-        [
-            _rotate(model_config, q_pre[i : i + 1, :, None], (seq_lens[i : i + 1, None] - 1))[
-                0, :, 0
+    def __init__(self, model_config, seq_lens, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.seq_lens = torch.tensor(seq_lens, dtype=torch.int32)
+        batch, length = len(seq_lens), max(seq_lens)
+        positions = torch.arange(length).expand(batch, length)
+        self.k_pre = torch.randn(batch, KV_HEADS, length, DIM, generator=g)
+        self.v = torch.randn(batch, KV_HEADS, length, DIM, generator=g)
+        self.q_pre = torch.randn(batch, HEADS, DIM, generator=g)
+        self.k_post = _rotate(model_config, self.k_pre, positions)
+        last = (self.seq_lens - 1).long()
+        self.q_post = torch.stack(
+            [
+                _rotate(model_config, self.q_pre[i : i + 1, :, None], last[i : i + 1, None])[
+                    0, :, 0
+                ]
+                for i in range(batch)
             ]
-            for i in range(batch)
-        ]
+        )
+        pages = -(-length // BLOCK)
+        order = torch.randperm(NUM_BLOCKS, generator=g)[: batch * pages]
+        self.block_table = order.view(batch, pages).to(torch.int32)
+
+    def at(self, model_config, lens):
+        """The same requests cut to `lens` tokens (their queries at the last of them)."""
+        cut = copy.copy(self)
+        cut.seq_lens = torch.tensor(lens, dtype=torch.int32)
+        cut.q_post = torch.stack(
+            [
+                _rotate(model_config, self.q_pre[i : i + 1, :, None], torch.tensor([[n - 1]]))[
+                    0, :, 0
+                ]
+                for i, n in enumerate(lens)
+            ]
+        )
+        return cut
+
+    def slots(self, row, start, end):
+        """vLLM's slot mapping of positions start..end-1 of a row (block_table.py line 374)."""
+        positions = torch.arange(start, end)
+        return self.block_table[row, positions // BLOCK].long() * BLOCK + positions % BLOCK
+
+    def write(self, kv_cache, layer=None, upto=None):
+        """Write every row's tokens (up to `upto` of each) through vLLM's slot mapping, telling
+        `layer` about each write as vLLM's cache update would."""
+        for row, n in enumerate(self.seq_lens.tolist()):
+            n = n if upto is None else min(n, upto[row])
+            slots = self.slots(row, 0, n)
+            keys, values = (
+                self.k_post[row, :, :n].transpose(0, 1),
+                self.v[row, :, :n].transpose(0, 1),
+            )
+            write_kv(kv_cache, keys, values, slots)
+            if layer is not None:
+                layer.mark_written(kv_cache, slots)
+
+    def expected(self, gate, mode):
+        """The contiguous path: what the transformers backend computes (no padding here)."""
+        indices = []
+        for row, n in enumerate(self.seq_lens.tolist()):
+            cache = CompressedKeyCache(gate)
+            cache.prefill(self.k_pre[row : row + 1, :, :n])
+            gq = gate.query(self.q_pre[row : row + 1, :, None], torch.tensor([[n - 1]]))
+            logits = gate.logits(gq, cache.keys)[:, :, 0]
+            indices.append(select_blocks(logits, -(-n // BLOCK), 0, block_size=BLOCK, **mode))
+        width = max(i.shape[-1] for i in indices)
+        padded = [torch.nn.functional.pad(i, (0, width - i.shape[-1]), value=-1) for i in indices]
+        return sparse_decode_reference(
+            self.q_post, self.k_post, self.v, torch.cat(padded), self.seq_lens, BLOCK
+        )
+
+
+MODES = [{"token_budget": 2 * BLOCK}, {"threshold": 0.05}]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("rope_scaling", [None, {"rope_type": "linear", "factor": 2.0}])
+def test_sparse_decode_on_vllm_layout_matches_contiguous(layout, mode, rope_scaling):
+    model_config, _, gate = _gate(rope_scaling)
+    requests = Requests(model_config, [7 * BLOCK + 5, 4 * BLOCK, 1])
+    [kv_cache] = vllm_kv_caches(1, layout)
+    layer = SeerLayer(gate, Selection(mode.get("token_budget"), mode.get("threshold"), "torch"))
+    requests.write(kv_cache, layer)
+
+    out = layer.decode(
+        requests.q_post, kv_cache, requests.block_table, requests.seq_lens, DIM**-0.5
     )
 
-    # Contiguous: what the transformers path computes (no padding here).
-    expected_indices = []
-    for row in range(batch):
-        n = int(seq_lens[row])
-        cache = CompressedKeyCache(gate)
-        cache.prefill(k_pre[row : row + 1, :, :n])
-        gq = gate.query(q_pre[row : row + 1, :, None], torch.tensor([[n - 1]]))
-        logits = gate.logits(gq, cache.keys)[:, :, 0]
-        expected_indices.append(select_blocks(logits, -(-n // BLOCK), 0, block_size=BLOCK, **mode))
-    width = max(i.shape[-1] for i in expected_indices)
-    padded = [
-        torch.nn.functional.pad(i, (0, width - i.shape[-1]), value=-1) for i in expected_indices
-    ]
-    expected = sparse_decode_reference(q_post, k_post, v, torch.cat(padded), seq_lens, BLOCK)
-
-    key_cache, table = _paged(k_post, seq_lens, 8, 40, generator)
-    value_cache, _ = _paged(v, seq_lens, 8, 40, generator.manual_seed(0))
-    value_cache = torch.full_like(value_cache, float("nan"))
-    for row in range(batch):  # same pages as the keys
-        for block in range(-(-int(seq_lens[row]) // BLOCK)):
-            end = min((block + 1) * BLOCK, int(seq_lens[row]))
-            value_cache[table[row, block], : end - block * BLOCK] = v[
-                row, :, block * BLOCK : end
-            ].transpose(0, 1)
-    gate_keys = PagedGateKeys(gate, 40, "cpu")
-    out = paged_sparse_decode(
-        gate,
-        gate_keys,
-        HeadRotary(config),
-        q_post,
-        key_cache,
-        value_cache,
-        table,
-        seq_lens,
-        backend="torch",
-        **mode,
-    )
-    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, requests.expected(gate, mode), atol=2e-5, rtol=2e-5)
     # The compressed keys of row 0's full pages equal the contiguous cache's.
     cache = CompressedKeyCache(gate)
-    cache.prefill(k_pre[:1, :, : int(seq_lens[0])])
-    full = int(seq_lens[0]) // BLOCK
+    cache.prefill(requests.k_pre[:1, :, : int(requests.seq_lens[0])])
+    full = int(requests.seq_lens[0]) // BLOCK
+    gate_keys = layer.gate_keys(kv_cache)
     torch.testing.assert_close(
-        gate_keys.keys[table[0, :full].long()].transpose(0, 1), cache.keys[0], atol=1e-4, rtol=1e-4
+        gate_keys.keys[requests.block_table[0, :full].long()].transpose(0, 1),
+        cache.keys[0],
+        atol=1e-4,
+        rtol=1e-4,
     )
 
 
-def test_written_pages_are_compressed_again():
-    generator = torch.Generator().manual_seed(1)
-    config = GateConfig.for_model(_model_config(), block_size=BLOCK, gate_dim=16)
-    gate = SeerGates(config)[0]
-    rotary = HeadRotary(config)
-    key_cache = torch.randn(6, BLOCK, KV_HEADS, DIM, generator=generator)
-    table = torch.tensor([[3, 1, 4]], dtype=torch.int32)
-    seq_lens = torch.tensor([2 * BLOCK + 3], dtype=torch.int32)
-    gate_keys = PagedGateKeys(gate, 6, "cpu")
-    gate_keys.refresh(key_cache, table, seq_lens, rotary)
-    assert gate_keys.fresh.tolist() == [False, True, False, True, False, False]  # page 4: partial
-    before = gate_keys.keys[1].clone()
-    key_cache[1] = torch.randn(BLOCK, KV_HEADS, DIM, generator=generator)
-    gate_keys.refresh(key_cache, table, seq_lens, rotary)
-    assert torch.equal(gate_keys.keys[1], before)  # vLLM did not say it wrote page 1
-    gate_keys.mark_written(torch.tensor([1 * BLOCK + 5, -1]))
-    gate_keys.refresh(key_cache, table, seq_lens, rotary)
-    assert not torch.allclose(gate_keys.keys[1], before)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_split_views_are_vllms_and_pages_are_counted_by_blocks(layout):
+    [kv_cache] = vllm_kv_caches(1, layout)
+    assert kv_cache.shape == (NUM_BLOCKS, KV_HEADS, BLOCK, 2 * DIM)
+    key_cache, value_cache = split_kv_cache(kv_cache, DIM)
+    assert key_cache.shape == value_cache.shape == (NUM_BLOCKS, BLOCK, KV_HEADS, DIM)
+    # A write through a split view lands in the cache tensor's first (keys) or second half.
+    key_cache[3, 5, 1] = 1.0
+    value_cache[3, 5, 1] = 2.0
+    assert torch.all(kv_cache[3, 1, 5, :DIM] == 1) and torch.all(kv_cache[3, 1, 5, DIM:] == 2)
+
+    _, _, gate = _gate()
+    layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
+    gate_keys = layer.gate_keys(kv_cache)
+    assert gate_keys.num_pages == NUM_BLOCKS and gate_keys.fresh.shape == (NUM_BLOCKS,)
+    gate_keys.fresh[:] = True
+    # The last page's slots (past what a count by KV heads would have sized).
+    layer.mark_written(kv_cache, torch.tensor([(NUM_BLOCKS - 1) * BLOCK + 3, -1, 2 * BLOCK]))
+    assert (~gate_keys.fresh).nonzero().flatten().tolist() == [2, NUM_BLOCKS - 1]
+    assert layer.gate_keys(kv_cache) is gate_keys
+    [bigger] = vllm_kv_caches(1, layout, num_blocks=NUM_BLOCKS + 8)
+    assert layer.gate_keys(bigger).num_pages == NUM_BLOCKS + 8  # a new cache starts afresh
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_pages_are_compressed_again_only_after_writes(layout, monkeypatch):
+    """Prefill, then decode token by token in vLLM's order (the new token's cache write, then
+    attention): each step equals the contiguous path, and only pages written since their last
+    compression are pooled again: every full page on the first step, later only a page that the
+    step's token has just filled."""
+    model_config, _, gate = _gate()
+    prompt, steps = [2 * BLOCK + 4, BLOCK + 1], BLOCK - 2
+    requests = Requests(model_config, [n + steps for n in prompt], seed=3)
+    [kv_cache] = vllm_kv_caches(1, layout)
+    layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
+    pooled = []
+    pool = gate.pool
+    monkeypatch.setattr(gate, "pool", lambda k, *a: pooled.append(k.shape[0]) or pool(k, *a))
+
+    requests.write(kv_cache, layer, upto=prompt)
+    for step in range(steps):
+        lens = [n + step + 1 for n in prompt]
+        for row, n in enumerate(lens):
+            slots = requests.slots(row, n - 1, n)
+            token = slice(n - 1, n)
+            write_kv(kv_cache, requests.k_post[row, :, token].transpose(0, 1),
+                     requests.v[row, :, token].transpose(0, 1), slots)  # fmt: skip
+            layer.mark_written(kv_cache, slots)
+        now = requests.at(model_config, lens)
+        pooled.clear()
+        out = layer.decode(now.q_post, kv_cache, now.block_table, now.seq_lens, DIM**-0.5)
+        expected_pooled = (
+            sum(n // BLOCK for n in lens) if step == 0 else sum(n % BLOCK == 0 for n in lens)
+        )
+        assert sum(pooled) == expected_pooled, (step, lens)
+        torch.testing.assert_close(
+            out, now.expected(gate, {"token_budget": BLOCK}), atol=2e-5, rtol=2e-5
+        )
+
+
+def test_shared_prefix_pages_are_compressed_once():
+    model_config, _, gate = _gate()
+    requests = Requests(model_config, [3 * BLOCK + 1, 3 * BLOCK + 1])
+    requests.k_pre[1], requests.k_post[1], requests.v[1] = (
+        requests.k_pre[0],
+        requests.k_post[0],
+        requests.v[0],
+    )
+    requests.block_table[1, :3] = requests.block_table[0, :3]  # vLLM's prefix cache shares them
+    [kv_cache] = vllm_kv_caches(1, "LBNHC")
+    layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
+    requests.write(kv_cache, layer)
+    layer.decode(requests.q_post, kv_cache, requests.block_table, requests.seq_lens, DIM**-0.5)
+    assert int(layer.gate_keys(kv_cache).fresh.sum()) == 3
 
 
 def test_gather_puts_the_partial_block_first_and_masks_its_head():
@@ -160,20 +291,43 @@ def test_gather_puts_the_partial_block_first_and_masks_its_head():
     assert k[0, 1, BLOCK : 2 * BLOCK, 0].tolist() == [0 * BLOCK + t for t in range(BLOCK)]
 
 
-def test_page_size_must_equal_the_block_size():
-    config = GateConfig.for_model(_model_config(), block_size=BLOCK, gate_dim=16)
-    gate = SeerGates(config)[0]
-    cache = torch.zeros(2, 2 * BLOCK, KV_HEADS, DIM)
+def test_cache_geometry_is_checked():
+    _, config, gate = _gate()
+    layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
     with pytest.raises(ValueError, match="block_size=16"):
+        layer.gate_keys(torch.zeros(2, KV_HEADS, 2 * BLOCK, 2 * DIM))
+    with pytest.raises(ValueError, match="holds 1 KV heads; the gates are for 2"):
+        layer.gate_keys(torch.zeros(2, 1, BLOCK, 2 * DIM))
+    with pytest.raises(ValueError, match="2 \\* head_size=32"):
+        split_kv_cache(torch.zeros(2, KV_HEADS, BLOCK, DIM), DIM)
+    with pytest.raises(ValueError, match="block_size=16"):  # the plain paged path checks too
+        cache = torch.zeros(2, 2 * BLOCK, KV_HEADS, DIM)
         paged_sparse_decode(
-            gate,
-            PagedGateKeys(gate, 2, "cpu"),
-            HeadRotary(config),
-            torch.zeros(1, HEADS, DIM),
-            cache,
-            cache,
-            torch.zeros(1, 1, dtype=torch.int32),
-            torch.tensor([3]),
-            token_budget=BLOCK,
-            backend="torch",
-        )
+            gate, PagedGateKeys(gate, 2, "cpu"), HeadRotary(config), torch.zeros(1, HEADS, DIM),
+            cache, cache, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([3]),
+            token_budget=BLOCK, backend="torch",
+        )  # fmt: skip
+
+
+def test_tensor_parallel_workers_and_fp8_caches():
+    _, config, _ = _gate()
+    check_layer_heads(config, HEADS, KV_HEADS, DIM)
+    with pytest.raises(ValueError, match="tensor parallelism 2 .*tensor_parallel_size=1"):
+        check_layer_heads(config, HEADS // 2, KV_HEADS // 2, DIM)
+    with pytest.raises(ValueError, match="trained for another model"):
+        check_layer_heads(config, HEADS, KV_HEADS, 2 * DIM)
+    assert sparse_kv_cache_dtype("auto") and sparse_kv_cache_dtype("bfloat16")
+    assert not sparse_kv_cache_dtype("fp8") and not sparse_kv_cache_dtype("fp8_e4m3")
+
+
+def test_worker_settings_from_the_environment(tmp_path):
+    path, selection = settings_from_env({GATE_ENV: str(tmp_path)})
+    assert (path, selection) == (str(tmp_path), Selection(4096, None, "triton"))
+    _, selection = settings_from_env({GATE_ENV: "g", THRESHOLD_ENV: "0.01"})
+    assert selection == Selection(None, 0.01, "triton")
+    with pytest.raises(RuntimeError, match=GATE_ENV):
+        settings_from_env({})
+    with pytest.raises(ValueError, match="not both"):
+        settings_from_env({GATE_ENV: "g", THRESHOLD_ENV: "0.1", BUDGET_ENV: "64"})
+    with pytest.raises(ValueError, match=f"{THRESHOLD_ENV}='1.5'"):
+        settings_from_env({GATE_ENV: "g", THRESHOLD_ENV: "1.5"})

@@ -36,38 +36,71 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def transformers_server(served_model_dir, tmp_path_factory):
-    """Base URL (…/v1) of `transformers serve` running the exported model; stopped at the end."""
+def start_transformers_server(model_dir, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """`transformers serve` on a free loopback port, in its own process group (so a test can
+    stop it and anything it started), once it answers; returns the process and its base URL."""
     port = _free_port()
-    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     command = [
         sys.executable,
         "-m",
         "transformers.cli.transformers",
         "serve",
-        str(served_model_dir),
+        str(model_dir),
         "--host",
         "127.0.0.1",
         "--port",
         str(port),
     ]
     with open(log_path, "wb") as log:
-        # Its own process group, so teardown stops the server and anything it started.
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
         _wait_until_ready(server, base_url, log_path)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server, base_url
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
+
+
+@pytest.fixture
+def start_server(served_model_dir, tmp_path):
+    """Starts more `transformers serve` processes of the exported model for one test (each
+    returned as (process, base URL)); they are stopped at its end."""
+    started = []
+
+    def start() -> tuple[subprocess.Popen, str]:
+        started.append(
+            start_transformers_server(served_model_dir, tmp_path / f"serve-{len(started)}.log")
+        )
+        return started[-1]
+
+    yield start
+    for server, _ in started:
+        stop_server(server)
+
+
+@pytest.fixture(scope="session")
+def transformers_server(served_model_dir, tmp_path_factory):
+    """Base URL (…/v1) of `transformers serve` running the exported model; stopped at the end."""
+    log_path = tmp_path_factory.mktemp("serve") / "serve.log"
+    server, base_url = start_transformers_server(served_model_dir, log_path)
+    try:
         yield base_url
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_server(server)
 
 
 def _wait_until_ready(server: subprocess.Popen, base_url: str, log_path: Path) -> None:

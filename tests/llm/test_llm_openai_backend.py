@@ -1,8 +1,12 @@
-"""The openai backend against a real `transformers serve` running the exported embedded model."""
+"""The openai backend against real `transformers serve` processes running the exported embedded
+model (one shared, one started and killed here), and against canned servers on loopback for what
+those cannot show (vLLM's `n`, Retry-After, malformed answers)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import threading
 import time
@@ -12,7 +16,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rstar_pipelines.llm import LLM, SamplingParams, load_llm
-from rstar_pipelines.llm.openai_backend import LLMServerError
+from rstar_pipelines.llm.openai_backend import LLMServerError, parse_base_urls, retry_after_s
+from rstar_pipelines.llm.types import AsyncLLM, stream
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -57,6 +62,7 @@ def test_length_and_eos(served_llm):
 
 
 def test_n_samples_one_request_each(served_llm):
+    # transformers serve ignores n: the client sends one request per sample.
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7)
     results = served_llm.generate(["The capital of France is", "Once upon a time"], params)
     assert [len(samples) for samples in results] == [3, 3]
@@ -80,11 +86,127 @@ def test_continuing_an_assistant_message_is_refused_by_transformers_serve(served
         served_llm.generate([conversation], GREEDY)
 
 
+def test_two_servers_share_a_batch_and_one_dies_mid_batch(
+    transformers_server, start_server, embedded_llm
+):
+    """Samples spread across both servers; one is killed while it holds requests; every
+    completion is still returned, once, and equals the model's own greedy answer."""
+    server, other = start_server()
+    prompts = [f"{i} + {i} =" for i in range(10)]
+    params = SamplingParams(n=2, temperature=0, max_tokens=12)
+    with closing(load_llm("openai", base_url=[transformers_server, other])) as llm:
+        futures = llm.submit(prompts, params)
+        deadline = time.monotonic() + 120
+        while llm.server_stats()[other]["answered"] < 2:  # it is serving: now kill it
+            assert time.monotonic() < deadline, llm.server_stats()
+            time.sleep(0.05)
+        in_flight = llm.server_stats()[other]["in_flight"]
+        os.killpg(server.pid, signal.SIGKILL)
+        results = [f.result(timeout=300) for f in futures]
+        stats = llm.server_stats()
+    assert in_flight > 0  # it died holding requests, which went to the other server
+    assert stats[transformers_server]["answered"] >= 2 and stats[other]["answered"] >= 2
+    assert stats[transformers_server]["answered"] + stats[other]["answered"] == 20
+    expected = embedded_llm.generate(prompts, params)
+    assert results == expected
+
+
+def test_submit_streams_each_prompt_as_it_finishes():
+    release = threading.Event()
+
+    def answer(method, path, body):
+        if body and body["prompt"] == "slow":
+            release.wait(10)
+        return 200, _completion_json(body["prompt"].upper())
+
+    with canned_server(answer) as (url, _), served_by(url) as llm:
+        assert isinstance(llm, AsyncLLM)
+        order = []
+        for index, [completion] in stream(llm, ["slow", "fast"], GREEDY):
+            order.append((index, completion.text))
+            release.set()
+    assert order == [(1, "FAST"), (0, "SLOW")]
+
+
+def test_all_samples_of_a_prompt_go_as_one_request_to_vllm():
+    def answer(method, path, body):
+        n = body.get("n", 1)
+        choices = [
+            {"index": i, "text": f"s{body['seed'] + i}", "finish_reason": "length",
+             "token_ids": list(range(i + 1))}
+            for i in range(n)
+        ]  # fmt: skip
+        return 200, {"choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens": 99}}
+
+    params = SamplingParams(n=4, temperature=0.8, max_tokens=8, seed=10)
+    with canned_server(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
+        [samples] = llm.generate(["p"], params)
+        greedy = params.model_copy(update={"n": 2, "temperature": 0})
+        [[greedy_a, greedy_b]] = llm.generate(["p"], greedy)
+    posts = [body for body in requests if body is not None]
+    assert [b.get("n") for b in posts] == [4, None, None]  # vLLM refuses n > 1 when greedy
+    assert posts[0]["return_token_ids"] is True and posts[0]["seed"] == 10
+    # vLLM seeds sample i with seed + i, as one request per sample would
+    assert [c.text for c in samples] == ["s10", "s11", "s12", "s13"]
+    assert [(c.completion_tokens, c.prompt_tokens) for c in samples] == [
+        (1, 3),
+        (2, 3),
+        (3, 3),
+        (4, 3),
+    ]
+    assert (greedy_a.text, greedy_b.text) == ("s10", "s11")
+
+
+def test_a_server_that_ignores_n_gets_one_request_per_sample():
+    def answer(method, path, body):
+        return 200, _completion_json(f"s{body['seed']}")
+
+    params = SamplingParams(n=3, temperature=0.8, max_tokens=8, seed=0)
+    with canned_server(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
+        [samples] = llm.generate(["p"], params)
+        llm.generate(["q"], params)
+    posts = [body for body in requests if body is not None]
+    assert [c.text for c in samples] == ["s0", "s1", "s2"]
+    assert [b.get("n") for b in posts] == [3, None, None, None, None, None]
+
+
+def test_retry_after_is_honoured():
+    times = []
+
+    def answer(method, path, body):
+        times.append(time.monotonic())
+        if len(times) == 1:
+            return 429, {"error": "queue full"}, {"Retry-After": "1"}
+        return 200, _completion_json("ok")
+
+    with canned_server(answer) as (url, _), served_by(url) as llm:
+        [[completion]] = llm.generate(["hi"], GREEDY)
+    assert completion.text == "ok" and len(times) == 2
+    assert times[1] - times[0] >= 0.95
+    assert retry_after_s("2.5") == 2.5 and retry_after_s(None) is None
+    in_a_minute = time.strftime("%a, %d %b %Y %H:%M:%S GMT", time.gmtime(time.time() + 60))
+    assert 0 < retry_after_s(in_a_minute) <= 60
+
+
+def test_a_dead_server_in_the_list_is_left_out():
+    def answer(method, path, body):
+        return 200, _completion_json(body["prompt"])
+
+    dead = closed_port_url()
+    with canned_server(answer) as (url, _):
+        llm = load_llm("openai", model="m", base_url=f"{dead},{url}", retry_backoff=0.05)
+        with closing(llm):
+            results = llm.generate([f"p{i}" for i in range(20)], GREEDY)
+            stats = llm.server_stats()
+    assert [r[0].text for r in results] == [f"p{i}" for i in range(20)]
+    assert stats[url]["answered"] == 20 and stats[dead]["answered"] == 0
+
+
 def test_refused_connection_is_retried_then_reported():
     url = closed_port_url()
     llm = load_llm("openai", model="m", base_url=url, max_retries=2, retry_backoff=0.1)
     started = time.monotonic()
-    failure = f"POST {url}/completions failed after 3 attempts.*ConnectError"
+    failure = f"no server answers.*failed 3 times in a row.*{url}: ClientConnectorError"
     with closing(llm), pytest.raises(LLMServerError, match=failure):
         llm.generate(["hi"], GREEDY)
     assert time.monotonic() - started >= 0.3  # backoffs 0.1 + 0.2
@@ -92,21 +214,45 @@ def test_refused_connection_is_retried_then_reported():
 
 def test_server_errors_are_retried():
     answers = [(503, {"error": "busy"}), (503, {"error": "busy"}), (200, _completion_json("ok"))]
-    with canned_server(answers) as (url, requests), served_by(url) as llm:
+    with canned_server(lambda *_: answers.pop(0)) as (url, requests), served_by(url) as llm:
         [[completion]] = llm.generate(["hi"], GREEDY)
     assert completion.text == "ok" and completion.finish_reason == "eos"
-    assert len(requests) == 3
+    assert len([r for r in requests if r is not None]) == 3
 
 
 def test_client_errors_are_not_retried():
-    answers = [(400, {"error": "bad request"})] * 3
     with (
-        canned_server(answers) as (url, requests),
+        canned_server(lambda *_: (400, {"error": "bad request"})) as (url, requests),
         served_by(url) as llm,
         pytest.raises(LLMServerError, match="HTTP 400.*bad request"),
     ):
         llm.generate(["hi"], GREEDY)
-    assert len(requests) == 1
+    assert len([r for r in requests if r is not None]) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "problem"),
+    [
+        ("http://127.0.0.1:8000/v1,http//127.0.0.1:8001/v1", "server 2 of 2.*http:// or https://"),
+        ("http://127.0.0.1:8000/v1,", "server 2 of 2, ''.*is empty"),
+        ("http://127.0.0.1:8000/v1 http://127.0.0.1:8001/v1", "server 1 of 1.*spaces"),
+        ("http://:8000/v1", "names no host"),
+        ("http://127.0.0.1:80000/v1", "bad port"),
+        ("http://a:1/v1,http://a:1/v1/", "server 2 of 2.*listed twice"),
+    ],
+)
+def test_malformed_server_lists_are_refused(value, problem):
+    with pytest.raises(ValueError, match=f"RSTAR_LLM_BASE_URL: .*{problem}"):
+        parse_base_urls(value, "RSTAR_LLM_BASE_URL")
+
+
+def test_server_lists_parse():
+    assert parse_base_urls(" http://a:1/v1/ , https://b/v1") == ["http://a:1/v1", "https://b/v1"]
+    assert parse_base_urls(["http://a:1/v1", "http://b:2/v1,http://c:3/v1"]) == [
+        "http://a:1/v1",
+        "http://b:2/v1",
+        "http://c:3/v1",
+    ]
 
 
 def served_by(url: str):
@@ -129,32 +275,50 @@ def closed_port_url() -> str:
 
 
 class canned_server:
-    """A loopback HTTP server that answers POSTs with the given (status, JSON) answers in turn."""
+    """A loopback HTTP server: `GET /models` lists model "m" (owned by `owned_by`); other
+    requests get `answer(method, path, body)` -> (status, JSON[, headers]). `requests` records
+    each request's JSON body (None for a GET)."""
 
-    def __init__(self, answers: list[tuple[int, dict]]):
-        self.answers = list(answers)
-        self.requests: list[dict] = []
+    def __init__(self, answer, owned_by: str = "local"):
+        self.answer = answer
+        self.owned_by = owned_by
+        self.requests: list[dict | None] = []
 
     def __enter__(self):
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def do_GET(self):
+                if self.path.endswith("/models"):
+                    self._reply(200, {"data": [{"id": "m", "owned_by": outer.owned_by}]}, {})
+                    return
+                self._answer(None)
+
             def do_POST(self):
-                outer.requests.append(
-                    json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                )
-                status, body = outer.answers.pop(0)
-                payload = json.dumps(body).encode()
+                self._answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+
+            def _answer(self, body):
+                outer.requests.append(body)
+                status, payload, *headers = outer.answer(self.command, self.path, body)
+                self._reply(status, payload, headers[0] if headers else {})
+
+            def _reply(self, status, payload, headers):
+                data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
+                self.send_header("Content-Length", str(len(data)))
+                for name, value in headers.items():
+                    self.send_header(name, value)
                 self.end_headers()
-                self.wfile.write(payload)
+                self.wfile.write(data)
 
             def log_message(self, *args):
                 pass
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return f"http://127.0.0.1:{self.server.server_address[1]}/v1", self.requests
 

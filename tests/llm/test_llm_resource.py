@@ -62,3 +62,43 @@ def test_assets_get_the_llm_through_dagster():
     resource = LLMResource(backend="openai", base_url="http://127.0.0.1:9/v1", model="m")
     result = dg.materialize([llm_name], resources={"llm": resource})
     assert result.output_for_node("llm_name") == "openai:http://127.0.0.1:9/v1:m"
+
+
+def test_server_lists_from_fields_and_environment(monkeypatch):
+    resource = LLMResource(
+        backend="openai", model="m", base_urls=["http://a:1/v1", "http://b:2/v1"]
+    )
+    with closing(resource.get_llm()) as llm:
+        assert llm.base_urls == ["http://a:1/v1", "http://b:2/v1"]
+    monkeypatch.setenv("RSTAR_LLM_BACKEND", "openai")
+    monkeypatch.setenv("RSTAR_LLM_BASE_URL", "http://a:1/v1, http://b:2/v1")
+    monkeypatch.setenv("RSTAR_LLM_N_PER_REQUEST", "false")
+    with closing(LLMResource(model="m").get_llm()) as llm:
+        assert llm.base_urls == ["http://a:1/v1", "http://b:2/v1"] and llm.n_per_request is False
+    # The old failure: two URLs read as one with a garbled path. Now a clear error.
+    monkeypatch.setenv("RSTAR_LLM_BASE_URL", "http://a:1/v1,b:2/v1")
+    with pytest.raises(ValueError, match="RSTAR_LLM_BASE_URL: server 2 of 2, 'b:2/v1'"):
+        LLMResource(model="m").get_llm()
+    monkeypatch.setenv("RSTAR_LLM_N_PER_REQUEST", "sometimes")
+    with pytest.raises(ValueError, match="RSTAR_LLM_N_PER_REQUEST"):
+        LLMResource(model="m", base_url="http://a:1/v1").get_llm()
+
+
+def test_sampling_vllm_refuses_is_refused_before_an_engine_starts():
+    resource = LLMResource(backend="vllm", model="some/model")
+    with pytest.raises(ValueError, match="temperature=2.5: vLLM accepts temperatures in"):
+        resource.check_sampling(SamplingParams(temperature=2.5))
+    with pytest.raises(ValueError, match="sampling.n=4 with temperature=0"):
+        resource.check_sampling(SamplingParams(n=4, temperature=0))
+    resource.check_sampling(SamplingParams(n=4, temperature=0.8))
+    LLMResource().check_sampling(SamplingParams(n=4, temperature=0))  # transformers repeats it
+
+
+def test_sparse_settings_with_a_server_point_at_rstar_serve(tmp_path):
+    (tmp_path / "gate_config.json").write_text("{}")
+    resource = LLMResource(
+        backend="openai", base_url="http://a:1/v1", sparse_attention="seer",
+        gate_checkpoint=str(tmp_path),
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="rstar serve MODEL --gates DIR"):
+        resource.get_llm()

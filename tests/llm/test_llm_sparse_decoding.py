@@ -347,3 +347,28 @@ def test_resource_passes_sparse_settings_and_names_them(tiny, monkeypatch):
             sparse_attention="seer",
             gate_checkpoint=gates_dir,
         ).get_llm()
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (benchmarks/gpu_checks.sh)"
+)
+@pytest.mark.parametrize("kernel", ["triton", "tilelang"])
+def test_sparse_generation_on_the_gpu(tiny, kernel):
+    """On a GPU in fp16: the compiled kernel's decode steps match the PyTorch reference's, and
+    TransformersLLM generates with it."""
+    import copy
+
+    model_dir, gates_dir, model, gates = tiny
+    model = copy.deepcopy(model).to("cuda", torch.float16)
+    gates = copy.deepcopy(gates).to("cuda")
+    ids, mask, positions, _ = (t.cuda() for t in sequence())
+    logits = {}
+    for backend in ("torch", kernel):
+        with enable_seer_decoding(model, gates, token_budget=2 * BLOCK, backend=backend):
+            logits[backend] = step_logits(model, ids, mask, positions).float()
+    torch.testing.assert_close(logits[kernel], logits["torch"], atol=2e-2, rtol=2e-2)
+    llm = load_llm("transformers", model_dir, batch_size=4, device="cuda", dtype="float16",
+                   sparse_attention="seer", gate_checkpoint=gates_dir, token_budget=2 * BLOCK,
+                   sparse_backend=kernel)  # fmt: skip
+    out = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60))
+    assert [c.completion_tokens for [c] in out] == [60] * len(PROMPTS)

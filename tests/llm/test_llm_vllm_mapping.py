@@ -57,3 +57,28 @@ def test_seer_engine_options(tmp_path, monkeypatch):
     (plugin,) = [e for e in entry_points(group="vllm.general_plugins") if e.name == "rstar_seer"]
     assert plugin.value == "rstar_kernels.vllm_plugin:register"
     assert callable(plugin.load())
+
+
+def test_sparse_decoding_refuses_tensor_parallelism_before_vllm_is_imported(tmp_path):
+    from rstar_pipelines.llm.vllm_backend import VllmLLM
+
+    (tmp_path / "gate_config.json").write_text('{"block_size": 64}')
+    with pytest.raises(ValueError, match="tensor_parallel_size=2: the SeerAttention-R"):
+        VllmLLM("m", sparse_attention="seer", gate_checkpoint=str(tmp_path), tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("params", "message"),
+    [
+        ({"temperature": 2.5}, "temperature=2.5: vLLM accepts temperatures in \\[0, 2\\]"),
+        ({"n": 2, "temperature": 0}, "sampling.n=2 with temperature=0"),
+        ({"n": 2, "temperature": 5e-6}, "sampling.n=2 with temperature=5e-06"),
+    ],
+)
+def test_sampling_vllm_refuses(params, message):
+    from rstar_pipelines.llm import SamplingParams
+    from rstar_pipelines.llm.vllm_backend import check_vllm_sampling
+
+    with pytest.raises(ValueError, match=message):
+        check_vllm_sampling(SamplingParams(**params))
+    check_vllm_sampling(SamplingParams(n=2, temperature=2.0))
