@@ -1,4 +1,4 @@
-"""The gate's K-compression cache of one layer (spec §2.3).
+"""The gate's K-compression cache of one layer (docs/seer-attention.md).
 
 It holds the gate keys of the complete blocks (pooled, projected by W_k, normalised and rotated,
 `[B, H_kv, N, gate_dim]`) and the raw pre-RoPE keys of the current partial block. A block is

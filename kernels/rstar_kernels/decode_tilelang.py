@@ -1,4 +1,4 @@
-"""Block-sparse split-K flash decoding in TileLang (spec §2.4).
+"""Block-sparse split-K flash decoding in TileLang (docs/seer-attention.md).
 
 Same design as the Triton kernel: grid (B, H_kv, num_split), the g query heads of a KV head padded
 to one [64, D] tile (so Hopper's gemms can use wgmma), online softmax in base 2

@@ -1,4 +1,4 @@
-"""Block-sparse split-K flash decoding in Triton (spec §2.4).
+"""Block-sparse split-K flash decoding in Triton (docs/seer-attention.md).
 
 Grid (B, H_kv, num_split): one program takes all g = H_q / H_kv query heads of a KV head as one
 [BLOCK_H >= 16, D] tile, so the group's shared K/V blocks are read once. Each split runs online

@@ -1,4 +1,4 @@
-"""Self-distillation of the SeerAttention-R gates (spec §1.4, §1.5): the frozen model's own
+"""Self-distillation of the SeerAttention-R gates (docs/seer-attention.md): the frozen model's own
 attention, max-pooled over key blocks, is the target the gates learn to predict.
 
 Shapes: B batch, H_q query heads, H_kv KV heads, T tokens, D head dim, N = ceil(T / block) blocks.
@@ -27,8 +27,8 @@ TARGET_CHUNK = 512
 
 @dataclass(frozen=True)
 class GateTrainConfig:
-    """Gate training settings. Defaults follow the reference recipe (spec §1.5) where it has one;
-    one step is one text (the reference packs 32k-token sequences, 16 per step)."""
+    """Gate training settings (docs/seer-attention.md). Defaults follow the reference recipe where
+    it has one; one step is one text (the reference packs 32k-token sequences, 16 per step)."""
 
     lr: float = 1e-3
     min_lr: float = 1e-5  # the cosine decay's floor

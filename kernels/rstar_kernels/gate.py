@@ -1,5 +1,5 @@
-"""The SeerAttention-R attention gate (spec §1.2): one small module per attention layer that scores
-key blocks from the layer's pre-RoPE queries and block-pooled pre-RoPE keys.
+"""The SeerAttention-R attention gate (docs/seer-attention.md): one small module per attention
+layer that scores key blocks from the layer's pre-RoPE queries and block-pooled pre-RoPE keys.
 
 Shapes: B batch, H_q query heads, H_kv KV heads, g = H_q / H_kv, D head dim, T query tokens,
 L key tokens, N key blocks, d = gate_dim.
@@ -122,8 +122,8 @@ class GateConfig:
 def gate_parameter_count(
     num_heads: int, num_kv_heads: int, head_dim: int, gate_dim: int, qk_norm: bool
 ) -> int:
-    """Parameters of one layer's gate (spec §1.3): the grouped query projection, the key
-    projection of the max/min/mean-pooled keys and the two norms' weights."""
+    """Parameters of one layer's gate (docs/seer-attention.md): the grouped query projection, the
+    key projection of the max/min/mean-pooled keys and the two norms' weights."""
     group = num_heads // num_kv_heads
     q_proj = num_kv_heads * group * head_dim * gate_dim
     k_proj = num_kv_heads * 3 * head_dim * gate_dim
@@ -162,7 +162,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class AttnGate(nn.Module):
-    """The gate of one attention layer (`Qproj` + `Kmaxminavg`, spec §1.2)."""
+    """The gate of one attention layer (`Qproj` + `Kmaxminavg`, docs/seer-attention.md)."""
 
     def __init__(self, config: GateConfig):
         super().__init__()

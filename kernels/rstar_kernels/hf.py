@@ -1,4 +1,5 @@
-"""SeerAttention-R sparse decoding inside a Hugging Face transformers model (spec §2.1-2.3).
+"""SeerAttention-R sparse decoding inside a Hugging Face transformers model
+(docs/seer-attention.md).
 
 `enable_seer_decoding(model, gates, token_budget=... | threshold=...)` registers the attention
 implementation "seer" with transformers' `AttentionInterface` and switches the model to it:
@@ -17,7 +18,7 @@ padding is left out of pooling and attention through `starts` (each row's first 
 read from the prefill's attention mask; only left padding is accepted), and a block is rotated to
 the position id of its first valid token. Where this departs from the paper / upstream code:
 - blocks completed during decoding are rotated to their first valid token's position, as in
-  training, not to the completing token's (upstream inference, spec §1.2);
+  training, not to the completing token's (upstream inference);
 - the first valid block is forced on through the index list (upstream forces it inside the
   mask-based kernel), and the current block is never a top-k candidate (module `selection`);
 - a batch that grows by a whole factor between the prefill and the first decode step (n samples

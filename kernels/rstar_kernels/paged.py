@@ -9,7 +9,7 @@ size, one page is one gate block, so:
   writes into it (`mark_written` from the cache update, so a freed and reused page is never read
   stale); requests that share a prefix share its pages' gate keys;
 - the gate needs pre-RoPE keys and queries, vLLM caches post-RoPE ones: the rotation is undone
-  (`unrotate`, exact up to the cache dtype's rounding), as spec §6 suggests;
+  (`unrotate`, exact up to the cache dtype's rounding), as docs/seer-attention.md describes;
 - the selected pages are gathered into a contiguous `[B, H_kv, S·b, D]` buffer and handed to
   `sparse_decode`. The current, partial page goes first (selection sorts it first) with its tokens
   moved to the end of its slot, so `starts` masks the slot's unfilled head. The gather copies the

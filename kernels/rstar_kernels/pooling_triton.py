@@ -1,4 +1,4 @@
-"""Causal attention that also writes the block-max-pooled probability map (spec §1.4).
+"""Causal attention that also writes the block-max-pooled probability map (docs/seer-attention.md).
 
 The map is SeerAttention-R's self-distillation target: for query row t, head i and key block j,
 ``block_max[t, j]`` is the largest softmax probability row t gives to any key of block j. The
@@ -67,7 +67,7 @@ def attention_with_block_max_reference(
 def group_max_target(
     block_max: torch.Tensor, num_kv_heads: int, block_size: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turns the per-query-head map into the gate's target (spec §1.4).
+    """Turns the per-query-head map into the gate's target (docs/seer-attention.md).
 
     Max over each GQA group, keep only blocks strictly before the query's own block, renormalise
     each row (sum + 1e-9). Returns ``(target [B, H_kv, T, N], row_mask [B, T])``; ``row_mask``
@@ -211,7 +211,8 @@ def attention_with_block_max(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     out_dtype = q.dtype
     if interpreted and q.dtype == torch.bfloat16:
-        # The interpreter's bf16 tl.dot is wrong (spec §5); compute in fp32 instead.
+        # The interpreter's bf16 tl.dot is wrong (docs/seer-attention.md, "What runs where"):
+        # compute in fp32 instead.
         q, k, v = q.float(), k.float(), v.float()
 
     n = triton.cdiv(t, block_size)

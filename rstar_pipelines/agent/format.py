@@ -1,4 +1,4 @@
-"""The agent's text format: tool calls, tool responses, answers (rStar2-Agent, spec §6.2).
+"""The agent's text format: tool calls, tool responses, answers (rStar2-Agent, docs/agent.md).
 
 An assistant turn calls the one tool, `python` (a stateless run of `code` with `input` on stdin,
 the reference's `python_code_with_standard_io`), with blocks like

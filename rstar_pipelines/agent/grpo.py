@@ -1,4 +1,4 @@
-"""The GRPO update of rStar2-Agent (spec §6.4): group-normalised outcome advantages and the PPO
+"""The GRPO update of rStar2-Agent (docs/agent.md): group-normalised outcome advantages and the PPO
 clipped policy loss as the released training script configures verl: clip-higher (0.2 below,
 0.28 above), token-mean over the batch, no KL term, no entropy bonus.
 """

@@ -1,4 +1,4 @@
-"""Outcome rewards of agent trajectories (rStar2-Agent, spec §6.3): binary, from the final turn.
+"""Outcome rewards of agent trajectories (rStar2-Agent, docs/agent.md): binary, from the final turn.
 
 Math: the final answer (`format.final_answer`) is equivalent to the gold answer. Code: the program
 in the final answer block (or, without one, anywhere in the final turn) prints every verified

@@ -1,4 +1,4 @@
-"""Resample-on-Correct (RoC), rStar2-Agent's rollout filter (spec §6.4).
+"""Resample-on-Correct (RoC), rStar2-Agent's rollout filter (docs/agent.md).
 
 Each prompt gets 2G rollouts; RoC keeps G of them for the GRPO update. Negatives (reward 0) are
 down-sampled uniformly, which keeps their diverse failure modes; positives (reward 1) are
@@ -27,7 +27,7 @@ def tool_error_ratio(statuses: Sequence[str | None], no_call_ratio: float = 0.0)
     program that merely prints the word.
 
     A trajectory without any call gets `no_call_ratio`. The reference uses 0.5, and together with
-    its format penalty (1.0 for a single-turn answer, spec §6.4) that makes a correct answer
+    its format penalty (1.0 for a single-turn answer, docs/agent.md) that makes a correct answer
     without tool use the worst positive of all, so RoC pushes the policy towards calling the tool.
     Our default is 0.0: no call, no failed call. The penalty then measures what the paper names
     (tool errors in correct trajectories) and leaves it to the reward whether a problem is worth a
@@ -44,7 +44,8 @@ def tool_error_ratio(statuses: Sequence[str | None], no_call_ratio: float = 0.0)
 
 
 def format_penalty(assistant_turns: Sequence[str]) -> float:
-    """How badly a trajectory's answer is formatted, from its assistant turns in order (spec §6.4).
+    """How badly a trajectory's answer is formatted, from its assistant turns in order
+    (docs/agent.md).
 
     1.0 when the final turn holds no `<answer>...</answer>` block or any turn has a stray
     `<answer>` or `</answer>` tag (the reference's balance check), or when there is no turn at

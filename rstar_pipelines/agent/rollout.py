@@ -1,4 +1,4 @@
-"""Multi-turn tool-using rollouts (rStar2-Agent, spec §6.2), each trajectory on its own.
+"""Multi-turn tool-using rollouts (rStar2-Agent, docs/agent.md), each trajectory on its own.
 
     trajectories = run_rollouts(llm, sandbox, prompts, n=4, config=RolloutConfig())
     # one list per prompt: its n Trajectory records

@@ -1,4 +1,4 @@
-"""Parsing the problems a model synthesizes from a seed (rStar-Coder step 2, spec §5.2).
+"""Parsing the problems a model synthesizes from a seed (rStar-Coder step 2, docs/rstar-coder.md).
 
 The formats are the ones the templates ask for: assets/prompts/synthesize_code.jinja
 (``### Problem``, ``### Input``, ``### Output``, ``### Examples`` with fenced example

@@ -1,4 +1,4 @@
-"""Test inputs for a programming problem, the rStar-Coder way (spec §5.3).
+"""Test inputs for a programming problem, the rStar-Coder way (docs/rstar-coder.md).
 
 An LLM writes `generate_test_input(**scale)`, `validate_test_input(input_string)` and a
 `SCALES` grid of its size parameters (prompt: assets/prompts/test_input_program.jinja);

@@ -1,4 +1,4 @@
-"""Output labeling by mutual verification (rStar-Coder, spec §5.4).
+"""Output labeling by mutual verification (rStar-Coder, docs/rstar-coder.md).
 
 Every candidate solution of a problem runs on every test input. Candidates that ran
 cleanly on all inputs and printed the same (normalized) outputs form a group; if the

@@ -1,4 +1,4 @@
-"""DSER chains (seer-dser-spec §4.3): s_0 = solve(x); each iteration the model verifies its
+"""DSER chains (docs/dser.md): s_0 = solve(x); each iteration the model verifies its
 current solution and, unless its own verdict passes it, refines it given the critique.
 
 A prompt holds only the problem, the current solution and (to refine) its critique, never the

@@ -1,4 +1,4 @@
-"""The two-state Markov view of DSER chains (seer-dser-spec §4.2).
+"""The two-state Markov view of DSER chains (docs/dser.md).
 
 Each state of a chain is correct (C) or incorrect (I). Counting the transitions between
 consecutive states estimates p_improve = P(I -> C) and p_degrade = P(C -> I); the chain's

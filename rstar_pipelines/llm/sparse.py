@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 SPARSE_METHODS = ("seer",)
-# The paper's headline setting (spec §2.2), used when neither a budget nor a threshold is given.
+# The paper's headline setting (docs/seer-attention.md), used when neither a budget nor a
+# threshold is given.
 DEFAULT_TOKEN_BUDGET = 4096
 KERNEL_BACKENDS = ("torch", "triton", "tilelang")
 

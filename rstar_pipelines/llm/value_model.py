@@ -104,7 +104,8 @@ class ProcessPreferenceModel:
         return self.values(texts)
 
     def score(self, prompts: Sequence[Prompt]) -> list[float]:
-        """Scores in (-1, 1) as the reference uses them in search: `tanh(raw / 5)` (spec §1.10).
+        """Scores in (-1, 1) as the reference uses them in search: `tanh(raw / 5)`
+        (docs/rstar-math.md).
 
         A prompt is chat messages, rendered with the chat template (a final assistant message is
         continued, so [user, assistant] reads exactly as `ppm_input`), or a str scored as it is.

@@ -1,5 +1,5 @@
-"""What a searched tree teaches: its trajectories with per-step Q-values (SFT data,
-spec §3) and step-level preference pairs for the process preference model (§2.2).
+"""What a searched tree teaches (docs/rstar-math.md): its trajectories with per-step Q-values
+(SFT data) and step-level preference pairs for the process preference model.
 
 Leaves are labelled as the reference does: an answer leaf with Q = 1 is correct, one
 with Q = -1 is wrong; failure leaves (code errors, too many steps) are neither, and
@@ -55,7 +55,7 @@ def trajectories(tree: Tree) -> list[Trajectory]:
 
 
 def best_trajectories(tree: Tree, n: int = 2) -> list[Trajectory]:
-    """The SFT sample of a tree (spec §3): correct trajectories ranked by mean, then
+    """The SFT sample of a tree (docs/rstar-math.md): correct trajectories ranked by mean, then
     minimum Q; the top `n`, less any whose text mentions "error" (dropped after the
     cut, as the reference does, so a tree may give fewer than `n`)."""
     correct = [t for t in trajectories(tree) if t.correct]

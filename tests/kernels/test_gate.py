@@ -1,5 +1,5 @@
-"""The SeerAttention-R gate against hand computations: parameter counts (spec §1.3), family
-detection, pre-RoPE capture, RoPE at block starts, block pooling, save and load."""
+"""The SeerAttention-R gate against hand computations: parameter counts (docs/seer-attention.md),
+family detection, pre-RoPE capture, RoPE at block starts, block pooling, save and load."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def tiny_gate(qk_norm: bool = True, **overrides) -> AttnGate:
 def test_parameter_count_reproduces_the_released_checkpoint_sizes(
     layers, heads, total_m, megabytes
 ):
-    # Spec §1.3: Qwen3-4B/8B, Qwen3-14B and R1-Distill-Qwen-14B gates in bf16 (README sizes).
+    # The paper's sizes: Qwen3-4B/8B, Qwen3-14B and R1-Distill-Qwen-14B gates in bf16.
     config = Qwen3Config(
         num_hidden_layers=layers,
         num_attention_heads=heads,
