@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from rstar_pipelines.cli import main
 from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.problems import seeds_of
 from rstar_pipelines.storage import query
 from tests.conftest import DEMO_SEEDS, dagster_cli
 
@@ -134,7 +135,7 @@ def _check_heldout_split() -> None:
     from rstar_pipelines.definitions import load_spec
 
     split = load_spec().by_key["sft_dataset"].params.heldout
-    seed_of = dict(query("select id, seed_id from synthesized_problems").to_pylist_pairs())
+    seed_of = seeds_of(query("select id, seed_id from synthesized_problems"))
     sides = {}
     for table, column in {
         **TRAINING_TABLES,
