@@ -143,9 +143,10 @@ def train(trainer: Any, output_dir: Path, log: Callable[[str], Any]) -> int | No
     return resumed
 
 
-def finish(trainer: Any, tokenizer: Any, output_dir: Path | None) -> None:
+def finish(trainer: Any, tokenizer: Any, output_dir: Path | None) -> Any:
     """Merge a LoRA adapter into the trained model's weights; with an output_dir, write the model
-    and tokenizer there as a plain Hugging Face directory and remove the resumable checkpoints."""
+    and tokenizer there as a plain Hugging Face directory and remove the resumable checkpoints.
+    Returns the trained model (the caller's, with a LoRA adapter merged into it)."""
     from accelerate.utils import is_peft_model
 
     model = trainer.accelerator.unwrap_model(trainer.model)
@@ -162,6 +163,7 @@ def finish(trainer: Any, tokenizer: Any, output_dir: Path | None) -> None:
             if CHECKPOINT_DIR.match(path.name):
                 shutil.rmtree(path)
     trainer.accelerator.wait_for_everyone()
+    return model
 
 
 def logged(trainer: Any, key: str) -> list[float]:

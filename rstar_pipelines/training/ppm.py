@@ -246,8 +246,7 @@ def train_ppm(
         resumed = hf_trainer.train(trainer, out, log)
         after = trainer.accuracy(train_data, "train_after")
         heldout_accuracy = trainer.accuracy(heldout_data, "heldout")
-        hf_trainer.finish(trainer, ppm.tokenizer, out if output_dir else None)
-        ppm.model = trainer.accelerator.unwrap_model(trainer.model)
+        ppm.model = hf_trainer.finish(trainer, ppm.tokenizer, out if output_dir else None)
         ppm.model.eval()
         return {
             "losses": hf_trainer.logged(trainer, "loss"),

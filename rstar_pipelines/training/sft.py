@@ -171,7 +171,7 @@ def _sft_trainer(**kwargs: Any) -> Any:
     """trl.SFTTrainer; on the CPU with the model's own cross-entropy loss.
 
     TRL computes the loss with its chunked LM-head kernel, which never builds the full logits: a
-    GPU memory saving (Triton there). Its torch fallback on the CPU is about 3x slower than the
+    GPU memory saving (Triton there). Its torch fallback on the CPU is 3-4x slower than the
     plain loss on a small model, so there the loss is transformers' (`Trainer.compute_loss`,
     the same token mean over the step, across processes and accumulation). TRL's entropy and
     token-accuracy figures come with its kernel only."""
