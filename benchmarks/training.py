@@ -78,10 +78,15 @@ def worker(side: str, job: str, model_ref: str, examples: int, words: int, batch
         started = time.perf_counter()
         metrics = train_sft(model, tokenizer, data, config, quiet)
     else:
-        from rstar_pipelines.training.ppm import PPMTrainConfig, ProcessPreferenceModel, train_ppm
+        from rstar_pipelines.training import ppm as ppm_module
+        from rstar_pipelines.training.ppm import PPMTrainConfig, train_ppm
 
+        # The loops' commit made a new PPM with ProcessPreferenceModel.from_base.
+        new_ppm = getattr(ppm_module, "ppm_from_base", None) or (
+            ppm_module.ProcessPreferenceModel.from_base
+        )
         torch.manual_seed(0)
-        ppm = ProcessPreferenceModel.from_base(model_ref)
+        ppm = new_ppm(model_ref)
         data = ppm_pairs(examples, words)
         config = PPMTrainConfig(lr=1e-5, epochs=1, batch_size=batch, heldout_fraction=0.0)
         tokens = sum(
