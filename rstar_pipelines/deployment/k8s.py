@@ -184,7 +184,7 @@ def render_jobs(spec: PipelineSpec, image: str, namespace: str) -> dict[str, Any
         build_pod_body(
             pod_name="dagster-pipes-<run id>-<asset>",
             image=image,
-            command=["python", "-m", "rstar_pipelines.training.run", "<train_config.json>"],
+            command=["python", "-m", "rstar_pipelines.training.launch", "<train_config.json>"],
             env_vars={"DAGSTER_PIPES_CONTEXT": "<injected>", "DAGSTER_PIPES_MESSAGES": "<...>"},
             base_pod_meta=None,
             base_pod_spec=training_pod_spec(image),

@@ -83,6 +83,16 @@ class VllmLLM:
         self._vllm = vllm
         self._engine = vllm.LLM(model=model, **engine_kwargs)
 
+    @classmethod
+    def over_engine(cls, engine: Any, *, name: str) -> VllmLLM:
+        """An LLM over a `vllm.LLM` that already runs, such as the one TRL's GRPOTrainer keeps
+        beside the model it trains (colocate mode) and refreshes with its weights."""
+        import vllm
+
+        llm = cls.__new__(cls)
+        llm.name, llm._vllm, llm._engine = name, vllm, engine
+        return llm
+
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         check_vllm_sampling(params)
         sampling = self._vllm.SamplingParams(

@@ -415,7 +415,7 @@ GRPO_EVAL = contract(
 
 CHECKPOINT = contract(
     [
-        ("id", pa.string(), "the checkpoint's directory name (the run id)"),
+        ("id", pa.string(), "the job's directory name (a fingerprint of its inputs)"),
         ("job", pa.string(), "ppm, sft or grpo"),
         ("round", pa.int64(), "the self-evolution round"),
         ("path", pa.string(), "the checkpoint: a Hugging Face directory"),
@@ -439,6 +439,12 @@ CHECKPOINT = contract(
         ("mean_reward_last", pa.float64(), "grpo: mean reward of the last step's rollouts"),
         ("seconds", pa.float64(), "wall seconds of the training process"),
         ("run_id", pa.string(), "the Dagster run that trained it"),
+        ("processes", pa.int64(), "accelerate's processes (one per GPU, or gloo CPU ranks)"),
+        (
+            "resumed_from_step",
+            pa.int64(),
+            "the checkpoint step a killed job resumed from (null: trained from the start)",
+        ),
     ],
     artifact_column="path",
 )

@@ -1,5 +1,5 @@
 """grpo_roc_data and grpo_roc_checkpoint: the round's policy trained with GRPO-RoC
-(rStar2-Agent, docs/agent.md), out of process like the other checkpoints.
+(rStar2-Agent, docs/agent.md) on TRL, launched like the other checkpoints.
 
 The trainer reads one row per problem of grpo_roc_data: its id, domain, question, gold answer
 (math) or verified test inputs and labels (code), and `prompt`, the chat a rollout starts from,
@@ -30,7 +30,11 @@ from rstar_pipelines.problems import (
 )
 from rstar_pipelines.storage import schemas
 from rstar_pipelines.training.grpo import GRPOTrainConfig
-from rstar_pipelines.training.stages import TrainingStage, policy_checkpoint_path
+from rstar_pipelines.training.stages import (
+    TrainingParams,
+    TrainingStage,
+    policy_checkpoint_path,
+)
 
 
 class GRPODataParams(StageParams):
@@ -80,11 +84,10 @@ class GRPORoCData(Stage):
         )
 
 
-class GRPOTrainingParams(StageParams):
+class GRPOTrainingParams(TrainingParams):
     round: int = Field(1, ge=1)
     # sandbox_backend and sandbox_workers are set from the sandbox resource when the stage runs.
     train: GRPOTrainConfig = GRPOTrainConfig()
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
 
 
 class GRPORoCCheckpoint(TrainingStage):

@@ -1,5 +1,6 @@
 """The gate job of the training process: SeerAttention-R gates distilled from a frozen base model
-(spec §1.4-1.5). The method lives in `rstar_kernels.distill`, imported only when a job runs."""
+(docs/seer-attention.md). The method lives in `rstar_kernels.distill`, imported only when a job
+runs."""
 
 from __future__ import annotations
 

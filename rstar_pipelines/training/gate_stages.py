@@ -33,7 +33,7 @@ from rstar_pipelines.problems import (
 )
 from rstar_pipelines.storage import schemas
 from rstar_pipelines.training.gate import GateTrainSettings
-from rstar_pipelines.training.stages import TrainingStage, _local_model
+from rstar_pipelines.training.stages import TrainingParams, TrainingStage, _local_model
 
 
 class GateDataParams(StageParams):
@@ -168,10 +168,9 @@ def _file_rows(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-class GateTrainingParams(StageParams):
+class GateTrainingParams(TrainingParams):
     model: str  # the frozen base model's role
     train: GateTrainSettings = GateTrainSettings()
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
 
 
 class AttnGateCheckpoint(TrainingStage):

@@ -1,38 +1,42 @@
-"""GRPO-RoC: rStar2-Agent's agentic RL of the policy (spec §6.4), in one process.
+"""GRPO-RoC: rStar2-Agent's agentic RL of the policy (docs/agent.md) on `trl.GRPOTrainer`.
 
-Each training step:
-1. picks `prompts_per_step` problems (seeded) and samples `oversample * group_size` multi-turn
-   rollouts of each with the model being trained (`TransformersLLM.wrap`: its current weights),
-   the Python tool running in the sandbox;
-2. scores them with the binary outcome reward;
-3. per problem, Resample-on-Correct keeps `group_size` rollouts (a group whose rewards are all
-   equal is dropped) and GRPO normalises the kept rewards into advantages;
-4. renders every kept rollout with the chat template into tokens with a mask (`chat_tokens`,
-   as SFT renders): 1 on each assistant turn and the template's end-of-turn after it, 0 on the
-   prompt, the tool-response turns and the template's markup. With ChatML the end-of-turn is
-   `<|im_end|>` and a newline the model never samples (generation stops at EOS): it is
-   trained too, as in SFT, which costs nothing and keeps one renderer;
-5. takes the log-probabilities of the kept rollouts under the weights that sampled them (one
-   no-grad pass, before any update), then makes `epochs` passes of mini-batch optimizer steps
-   (`batch_size` rollouts each) with the clipped policy loss. With several mini-batches per step
-   the later ones run on weights already moved, which is what the clipping acts on.
-A step that keeps no group (every group's rewards were equal) makes no update; its loss is None.
+TRL runs the loop (batches, generation buffer, optimizer, accelerate, checkpoints); the
+algorithm's pieces come from `rstar_pipelines.agent` through two hooks of a GRPOTrainer subclass:
 
-Rollouts are re-tokenized from their text, not kept as the sampled ids: a text can tokenize
-differently from how it was sampled. The old log-probabilities are taken on the re-tokenized
-sequence, so the ratio is consistent; only the behaviour policy is approximated on such tokens.
-A rollout longer than `max_length` tokens is cut there: the tokens after the cut (and their mask)
-are dropped, so its later turns are not trained, while its advantage still comes from its full
-trajectory's reward. A rollout cut before its first assistant token has nothing to train.
+- the rollout function (TRL's `rollout_func`): each process gets whole groups, `group_size`
+  copies of a problem's prompt each (the batch settings are checked to make it so). Per group it
+  samples `oversample * group_size` multi-turn rollouts with the policy as it is now, the Python
+  tool running in this process's sandbox (`agent.rollout.run_rollouts`, through transformers, or
+  vLLM in TRL's colocate mode on a GPU); scores them with the binary outcome reward
+  (`agent.reward.rewards`); keeps `group_size` of them with Resample-on-Correct
+  (`agent.roc.resample_on_correct`) and gives the kept ones their GRPO advantages
+  (`agent.grpo.group_advantages`). A group whose rewards are all equal is dropped: its first
+  `group_size` rollouts fill its place with an all-zero loss mask (TRL's batch shape is fixed), so
+  they weigh nothing, and an optimizer step whose groups were all dropped makes no update (its
+  gradients are discarded before the optimizer sees them). Each rollout becomes prompt ids,
+  completion ids and a mask: 1 on each assistant turn and the template's end-of-turn after it, 0
+  on the tool-response turns and the markup between turns (`sft.chat_tokens`, as SFT renders).
+- the loss (`compute_loss`): `agent.grpo.grpo_loss`, the PPO clipped loss with clip-higher
+  (0.2 / 0.28) and verl's dual clip, no KL, token-mean; scaled as TRL's "dapo" loss is, so the
+  mean is over the tokens of the optimizer step on all processes.
+
+A training step is one generation and `updates_per_step` optimizer steps: the step's kept
+rollouts are shuffled and cut into micro-batches of `batch_size` per process, accumulated
+`gradient_accumulation_steps` at a time, `epochs` passes; old log-probabilities are taken before
+the first update when a step makes several (TRL does this), so the later updates are clipped
+against the weights that sampled. Rollouts are re-tokenized from their text (a text can tokenize
+differently from how it was sampled; the ratio stays consistent as both log-probabilities are
+taken on the same ids). A rollout longer than `max_length` tokens is cut there: its later turns
+are not trained, its advantage still comes from its whole trajectory's reward.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -45,10 +49,10 @@ from rstar_pipelines.agent.roc import (
     tool_error_ratio,
 )
 from rstar_pipelines.agent.rollout import RolloutConfig, Trajectory, run_rollouts
-from rstar_pipelines.training.loop import TrainConfig, step
+from rstar_pipelines.training.config import LaunchConfig, TrainConfig
 from rstar_pipelines.training.sft import chat_tokens
 
-# The per-step figures train_grpo returns, one list each.
+# The per-step figures train_grpo returns, one list each (one value per training step).
 STEP_METRICS = (
     "mean_reward",  # over all rollouts, before RoC
     "tool_error_ratio",  # mean over all rollouts of RoC's tool-error ratio
@@ -56,31 +60,32 @@ STEP_METRICS = (
     "response_length",  # mean model tokens per rollout
     "groups_dropped",  # fraction of the step's groups whose rewards were all equal
     "kept",  # rollouts trained on
-    "updates",  # optimizer steps made (0: skipped)
+    "updates",  # optimizer steps that changed the weights (0: skipped)
     "loss",  # mean over the step's optimizer steps; None when skipped
     "clip_low",  # share of trained tokens clipped below, mean over optimizer steps
     "clip_high",
-    "step_seconds",
+    "step_seconds",  # rollouts, rewards and updates
 )
+# The per-step figures as they go through TRL's log history (so they come back on resume).
+_LOGGED = {name: f"roc/{name}" for name in STEP_METRICS[:6]}
 
 
 class GRPOTrainConfig(TrainConfig):
-    """GRPO-RoC settings. Defaults follow the released recipe (spec §6.4) where it has one:
+    """GRPO-RoC settings. Defaults follow the released recipe (docs/agent.md) where it has one:
     G = 16 kept of 32, clip 0.2 / 0.28 with verl's dual clip 3, one pass over the rollouts,
     lr 1e-6 constant after the warm-up. `max_steps` does not apply: `steps` counts the training
-    steps (rollouts, then an update)."""
+    steps (rollouts, then the updates)."""
 
     lr: float = Field(1e-6, gt=0, description="learning rate, constant after the warm-up")
     weight_decay: float = Field(0.01, ge=0, description="AdamW's (verl's actor default)")
     warmup_steps: int = Field(
         0,
         ge=0,
-        description="optimizer steps of linear warm-up, the first at lr / warmup_steps (the "
-        "reference's 20 are training steps, each one optimizer step there: its mini-batch is "
-        "its whole batch)",
+        description="optimizer steps of linear warm-up (the reference's 20 are training steps, "
+        "each one optimizer step there: its mini-batch is its whole batch)",
     )
     epochs: int = Field(1, ge=1, description="passes over a step's kept rollouts (ppo_epochs)")
-    batch_size: int = Field(16, ge=1, description="kept rollouts per optimizer step")
+    batch_size: int = Field(16, ge=1, description="kept rollouts per process and micro-batch")
     max_length: int = Field(
         4096, ge=2, description="most tokens of a rollout (prompt, turns, tool responses)"
     )
@@ -106,8 +111,18 @@ class GRPOTrainConfig(TrainConfig):
     clip_high: float = Field(0.28, ge=0)
     dual_clip: float | None = Field(3.0, gt=1, description="None: no dual clip")
     rollout: RolloutConfig = RolloutConfig()
-    generation_batch_size: int = Field(16, ge=1, description="sequences generated together")
-    sandbox_backend: str = Field("auto", description="the training process's own sandbox")
+    rollout_backend: Literal["auto", "transformers", "vllm"] = Field(
+        "auto",
+        description="what samples the rollouts: vLLM in TRL's colocate mode (a GPU), transformers "
+        "on the model being trained; auto: vLLM where a GPU and vLLM are there",
+    )
+    generation_batch_size: int = Field(
+        16, ge=1, description="sequences transformers generates together"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, lt=1, description="the colocated vLLM engine's share of the GPU memory"
+    )
+    sandbox_backend: str = Field("auto", description="the training processes' own sandboxes")
     sandbox_workers: int | None = Field(None, ge=1, description="None: the number of CPUs")
 
     @model_validator(mode="after")
@@ -122,91 +137,29 @@ class GRPOTrainConfig(TrainConfig):
         return self
 
 
-def train_grpo(
-    model: Any,
-    tokenizer: Any,
-    problems: Sequence[AgentProblem],
-    config: GRPOTrainConfig,
-    sandbox: Any,
-    prompts: Sequence[list[dict]],
-    log: Callable[[str], Any] = print,
-) -> dict:
-    """Train the causal LM `model` in place with GRPO-RoC; returns the metrics.
-
-    `prompts[i]` is the chat (system and user messages) a rollout of `problems[i]` starts from.
-    The metrics hold one list per name of STEP_METRICS, `losses` (every optimizer step's),
-    `steps`, `examples` (problems), `skipped_steps` and `seconds` (the whole run's).
-    """
-    import torch
-
-    from rstar_pipelines.llm.transformers_backend import TransformersLLM
-
-    if len(prompts) != len(problems):
-        raise ValueError(f"{len(prompts)} prompts for {len(problems)} problems")
-    if not problems:
-        raise ValueError("GRPO needs at least one problem")
-    started = time.monotonic()
-    torch.manual_seed(config.seed)
-    rng = random.Random(config.seed)
-    llm = TransformersLLM.wrap(
-        model, tokenizer, name="grpo-policy", batch_size=config.generation_batch_size
-    )
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.lr, weight_decay=config.weight_decay
-    )
-    warmup = config.warmup_steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) if warmup else 1.0
-    )
-    log(
-        f"GRPO-RoC: {len(problems)} problems, {config.steps} steps of {config.prompts_per_step} "
-        f"prompts x {config.oversample * config.group_size} rollouts"
-    )
-    metrics: dict[str, Any] = {name: [] for name in STEP_METRICS}
-    losses: list[float] = []
-    for number in range(1, config.steps + 1):
-        step_started = time.monotonic()
-        chosen = rng.sample(range(len(problems)), min(config.prompts_per_step, len(problems)))
-        groups = run_rollouts(
-            llm,
-            sandbox,
-            [prompts[i] for i in chosen],
-            config.oversample * config.group_size,
-            config.rollout,
-            seed=rng.randrange(2**31),
+def check_batches(config: GRPOTrainConfig, launch: LaunchConfig) -> int:
+    """The micro-batches per process of a training step; a ValueError naming the setting when the
+    step's rollouts cannot be cut as TRL needs: whole groups per process, whole micro-batches
+    per process, whole accumulation windows."""
+    processes, accumulate = launch.processes, launch.gradient_accumulation_steps
+    if config.prompts_per_step % processes:
+        raise ValueError(
+            f"prompts_per_step ({config.prompts_per_step}) must be a multiple of launch.processes "
+            f"({processes}): each process samples and resamples whole groups"
         )
-        scores = rewards(
-            groups,
-            [problems[i] for i in chosen],
-            sandbox,
-            config.rollout.timeout_s,
-            config.rollout.memory_mb,
+    per_process = config.prompts_per_step // processes * config.group_size
+    if per_process % config.batch_size:
+        raise ValueError(
+            f"each process trains {per_process} rollouts a step (prompts_per_step * group_size / "
+            f"processes), which batch_size ({config.batch_size}) must divide"
         )
-        kept, figures = _resample(groups, scores, config, rng)
-        rows = [(*rollout_tokens(tokenizer, t, config.max_length), a) for t, a in kept]
-        trainable = [row for row in rows if any(row[1])]  # not cut before its first turn
-        step_losses, clips = _update(model, trainable, config, optimizer, schedule, tokenizer, rng)
-        losses += step_losses
-        figures.update(
-            kept=len(trainable),
-            updates=len(step_losses),
-            loss=statistics.fmean(step_losses) if step_losses else None,
-            clip_low=statistics.fmean(c[0] for c in clips) if clips else None,
-            clip_high=statistics.fmean(c[1] for c in clips) if clips else None,
-            step_seconds=round(time.monotonic() - step_started, 3),
+    micro_batches = per_process // config.batch_size
+    if micro_batches % accumulate:
+        raise ValueError(
+            f"a step has {micro_batches} micro-batches per process, which "
+            f"launch.gradient_accumulation_steps ({accumulate}) must divide"
         )
-        for name in STEP_METRICS:
-            metrics[name].append(figures[name])
-        log(_step_line(number, config.steps, figures))
-    model.eval()
-    return {
-        **metrics,
-        "losses": losses,
-        "steps": config.steps,
-        "examples": len(problems),
-        "skipped_steps": sum(1 for n in metrics["updates"] if n == 0),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+    return micro_batches
 
 
 def rollout_tokens(
@@ -217,14 +170,304 @@ def rollout_tokens(
     return chat_tokens(tokenizer, [*trajectory.prompt, *trajectory.messages], max_length)
 
 
+def train_grpo(
+    model: Any,
+    tokenizer: Any,
+    problems: Sequence[AgentProblem],
+    config: GRPOTrainConfig,
+    sandbox: Any,
+    prompts: Sequence[list[dict]],
+    log: Callable[[str], Any] = print,
+    *,
+    output_dir: Path | None = None,
+    launch: LaunchConfig | None = None,
+) -> dict:
+    """Train the causal LM `model` in place with GRPO-RoC and, with an output_dir, save it there
+    with the tokenizer; returns the metrics. Resumes from the last complete checkpoint.
+
+    `prompts[i]` is the chat (system and user messages) a rollout of `problems[i]` starts from.
+    The metrics hold one list per name of STEP_METRICS, `losses` (every optimizer step's),
+    `steps`, `examples` (problems) and `skipped_steps`.
+    """
+    import tempfile
+
+    import torch
+    from datasets import Dataset
+    from transformers import PrinterCallback
+    from trl import GRPOConfig
+
+    from rstar_pipelines.training import hf_trainer
+
+    if len(prompts) != len(problems):
+        raise ValueError(f"{len(prompts)} prompts for {len(problems)} problems")
+    if not problems:
+        raise ValueError("GRPO needs at least one problem")
+    launch = launch or LaunchConfig()
+    micro_batches = check_batches(config, launch)
+    updates = micro_batches * config.epochs // launch.gradient_accumulation_steps
+    use_vllm = _use_vllm(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(output_dir or scratch)
+        args = hf_trainer.arguments(
+            GRPOConfig,
+            config,
+            launch,
+            out,
+            max_steps=config.steps * updates,
+            lr_scheduler_type="constant_with_warmup",
+            warmup_steps=config.warmup_steps,
+            weight_decay=config.weight_decay,
+            num_generations=config.group_size,
+            steps_per_generation=micro_batches,
+            num_iterations=config.epochs,
+            beta=0.0,
+            epsilon=config.clip_low,
+            epsilon_high=config.clip_high,
+            delta=config.dual_clip,
+            loss_type="dapo",
+            max_completion_length=config.rollout.max_response_tokens,
+            use_vllm=use_vllm,
+            vllm_mode="colocate",
+            vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            vllm_max_model_length=config.max_length,
+            vllm_importance_sampling_correction=False,  # rollouts come back as text, not logprobs
+            shuffle_dataset=True,
+        )
+        trainer = _grpo_roc_trainer(
+            config,
+            problems,
+            sandbox,
+            model=model,
+            args=args,
+            train_dataset=Dataset.from_list(
+                [{"prompt": prompt, "problem": i} for i, prompt in enumerate(prompts)]
+            ),
+            processing_class=tokenizer,
+            peft_config=hf_trainer.peft_config(launch, "CAUSAL_LM"),
+            callbacks=[hf_trainer.progress_callback("GRPO", log)],
+        )
+        trainer.remove_callback(PrinterCallback)
+        log(
+            f"GRPO-RoC: {len(problems)} problems, {config.steps} steps of "
+            f"{config.prompts_per_step} prompts x {config.oversample * config.group_size} "
+            f"rollouts, {updates} optimizer step(s) each; rollouts through "
+            f"{'vLLM' if use_vllm else 'transformers'}"
+        )
+        torch.manual_seed(config.seed)
+        resumed = hf_trainer.train(trainer, out, log)
+        hf_trainer.finish(trainer, tokenizer, out if output_dir else None)
+        model.eval()
+        per_step, losses = _per_step(trainer.state.log_history, updates)
+        return {
+            **per_step,
+            "losses": losses,
+            "steps": config.steps,
+            "updates_per_step": updates,
+            "examples": len(problems),
+            "skipped_steps": sum(1 for n in per_step["updates"] if n == 0),
+            "resumed_from_step": resumed,
+            "processes": trainer.accelerator.num_processes,
+        }
+
+
+def _use_vllm(config: GRPOTrainConfig) -> bool:
+    if config.rollout_backend != "auto":
+        return config.rollout_backend == "vllm"
+    from importlib.util import find_spec
+
+    import torch
+
+    return torch.cuda.is_available() and find_spec("vllm") is not None
+
+
+def _per_step(history: list[dict], updates: int) -> tuple[dict[str, list], list[float]]:
+    """The STEP_METRICS lists, and the loss of every optimizer step that made an update, from
+    TRL's log history: a training step's rollout figures are logged with its first optimizer
+    step; each optimizer step logs its loss, its clip shares and whether it changed the weights
+    (`roc/updated`)."""
+    steps = [entry for entry in history if "roc/updated" in entry]
+    figures: dict[str, list] = {name: [] for name in STEP_METRICS}
+    losses: list[float] = []
+    for start in range(0, len(steps), updates):
+        group = steps[start : start + updates]
+        for name, key in _LOGGED.items():
+            figures[name].append(group[0][key])
+        made = [e for e in group if e["roc/updated"]]
+        losses += [e["loss"] for e in made]
+        figures["updates"].append(len(made))
+        figures["loss"].append(statistics.fmean(e["loss"] for e in made) if made else None)
+        for name in ("clip_low", "clip_high"):
+            shares = [e[f"roc/{name}"] for e in made if f"roc/{name}" in e]
+            figures[name].append(statistics.fmean(shares) if shares else None)
+        figures["step_seconds"].append(round(sum(e.get("step_time", 0.0) for e in group), 3))
+    return figures, losses
+
+
+def _grpo_roc_trainer(
+    config: GRPOTrainConfig, problems: Sequence[AgentProblem], sandbox: Any, **kwargs: Any
+) -> Any:
+    """A trl.GRPOTrainer with RoC's rollouts and the GRPO-RoC loss (see the module docstring)."""
+    import torch
+    from transformers import TrainerCallback
+    from trl import GRPOTrainer
+    from trl.models.utils import unwrap_model_for_generation
+
+    class GRPORoCTrainer(GRPOTrainer):
+        def _generate_and_score_completions(self, inputs):
+            self._rows = inputs  # the dataset rows behind the prompts roc_rollouts gets
+            output = super()._generate_and_score_completions(inputs)
+            # RoC's advantages (the rollout function put them on the rows) replace TRL's own.
+            output["advantages"] = torch.tensor(
+                [row["advantage"] for row in inputs], device=self.accelerator.device
+            )
+            self._step_kept_tokens = int(output["num_items_in_batch"])
+            return output
+
+        def roc_rollouts(self, prompts: list) -> dict[str, Any]:
+            group = self.num_generations
+            rows = self._rows
+            starts = range(0, len(rows), group)
+            if any(
+                {r["problem"] for r in rows[s : s + group]} != {rows[s]["problem"]} for s in starts
+            ):
+                raise RuntimeError("a process got a partial group: check_batches should prevent it")
+            chosen = [problems[rows[s]["problem"]] for s in starts]
+            seed = hash((config.seed, self.state.global_step, self.accelerator.process_index))
+            rng = random.Random(seed)
+            with self._policy() as llm:
+                groups = run_rollouts(
+                    llm,
+                    sandbox,
+                    [prompts[s] for s in starts],
+                    config.oversample * group,
+                    config.rollout,
+                    seed=seed % 2**31,
+                )
+            scores = rewards(
+                groups, chosen, sandbox, config.rollout.timeout_s, config.rollout.memory_mb
+            )
+            kept, figures = _resample(groups, scores, config, rng)
+            out: dict[str, list] = {
+                "prompt_ids": [], "completion_ids": [], "env_mask": [], "reward": [],
+                "advantage": [],
+            }  # fmt: skip
+            for trajectory, reward, advantage, trained in kept:
+                ids, mask = rollout_tokens(self.processing_class, trajectory, config.max_length)
+                start = mask.index(True) if True in mask else len(ids) - 1
+                out["prompt_ids"].append(ids[:start])
+                out["completion_ids"].append(ids[start:])
+                out["env_mask"].append([int(m and trained) for m in mask[start:]])
+                out["reward"].append(reward)
+                out["advantage"].append(advantage)
+            figures["kept"] = sum(1 for mask in out["env_mask"] if any(mask))
+            self._log_step_figures(figures)
+            return {**out, "logprobs": None}
+
+        def _policy(self):
+            from contextlib import contextmanager
+
+            from rstar_pipelines.llm.transformers_backend import TransformersLLM
+
+            @contextmanager
+            def policy():
+                if self.use_vllm:
+                    from rstar_pipelines.llm.vllm_backend import VllmLLM
+
+                    yield VllmLLM.over_engine(self.vllm_generation.llm, name="grpo-policy")
+                    return
+                with unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model:
+                    yield TransformersLLM.wrap(
+                        model,
+                        self.processing_class,
+                        name="grpo-policy",
+                        batch_size=config.generation_batch_size,
+                    )
+
+            return policy()
+
+        def _log_step_figures(self, figures: dict[str, float]) -> None:
+            """This step's rollout figures over all processes, into TRL's log of the next step."""
+            names = list(_LOGGED)
+            local = torch.tensor([float(figures[n]) for n in names], device=self.accelerator.device)
+            total = self.accelerator.gather(local).view(-1, len(names))
+            for i, name in enumerate(names):
+                value = total[:, i].sum() if name == "kept" else total[:, i].mean()
+                self._metrics["train"][_LOGGED[name]].append(value.item())
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            if return_outputs:
+                raise ValueError("GRPO-RoC returns no outputs")
+            prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+            mask = inputs["completion_mask"] * inputs["tool_mask"]
+            logprobs, _, _ = self._get_per_token_logps_and_entropies(
+                model, input_ids, attention_mask, completion_ids.size(1)
+            )
+            old = inputs.get("old_per_token_logps")
+            old = logprobs.detach() if old is None else old
+            tokens = mask.sum()
+            metrics = self._metrics["train"]
+            if tokens == 0:  # every rollout here was dropped or cut: a zero through the model
+                metrics["roc/updated"].append(float(self._step_kept_tokens > 0))
+                return (logprobs * 0).sum()
+            loss, stats = grpo_loss(
+                logprobs,
+                old,
+                inputs["advantages"],
+                mask,
+                clip_low=config.clip_low,
+                clip_high=config.clip_high,
+                dual_clip=config.dual_clip,
+            )
+            # The token-mean over this micro-batch, rescaled as TRL's "dapo" loss: over the
+            # optimizer step's tokens on all processes (DDP averages the gradients).
+            normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0)
+                / self.accelerator.num_processes
+                * self.current_gradient_accumulation_steps
+                / self.args.steps_per_generation
+            )
+            metrics["roc/updated"].append(1.0)
+            metrics["roc/clip_low"].append(stats["clip_fraction_low"])
+            metrics["roc/clip_high"].append(stats["clip_fraction_high"])
+            return loss * tokens / normalizer
+
+    class SkipEmptySteps(TrainerCallback):
+        """No update from an optimizer step that kept no rollout anywhere: with every gradient
+        gone, AdamW leaves the weights, its moments and its step count alone."""
+
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            if trainer._step_kept_tokens == 0:
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        param.grad = None
+
+    trainer = GRPORoCTrainer(
+        reward_funcs=[_outcome_reward],
+        rollout_func=lambda prompts, trainer: trainer.roc_rollouts(prompts),
+        **kwargs,
+    )
+    trainer.add_callback(SkipEmptySteps())
+    trainer._step_kept_tokens = 1
+    return trainer
+
+
+def _outcome_reward(prompts, completions, reward, **kwargs) -> list[float]:
+    """TRL's reward function: the binary outcome reward the rollout function already scored."""
+    return list(reward)
+
+
 def _resample(
     groups: list[list[Trajectory]],
     scores: list[list[float]],
     config: GRPOTrainConfig,
     rng: random.Random,
-) -> tuple[list[tuple[Trajectory, float]], dict[str, Any]]:
-    """The kept rollouts with their advantages, and the step's rollout figures."""
-    kept: list[tuple[Trajectory, float]] = []
+) -> tuple[list[tuple[Trajectory, float, float, bool]], dict[str, float]]:
+    """Per group, the `group_size` rollouts to train on with their rewards and advantages, and
+    whether they are trained (a dropped group's stand-ins are not); and the step's figures."""
+    size = config.group_size
+    kept: list[tuple[Trajectory, float, float, bool]] = []
     dropped = 0
     errors_all: list[float] = []
     for group, group_scores in zip(groups, scores, strict=True):
@@ -240,16 +483,20 @@ def _resample(
             group_scores,
             errors,
             formats,
-            config.group_size,
+            size,
             rng=rng,
             positive_selection=config.positive_selection,
             min_each=config.min_each,
         )
-        if not indices:
+        if len(indices) == size:
+            advantages = group_advantages([group_scores[i] for i in indices])
+            kept += [
+                (group[i], group_scores[i], a, True)
+                for i, a in zip(indices, advantages, strict=True)
+            ]
+        else:  # dropped (equal rewards): stand-ins that weigh nothing
             dropped += 1
-            continue
-        advantages = group_advantages([group_scores[i] for i in indices])
-        kept += [(group[i], a) for i, a in zip(indices, advantages, strict=True)]
+            kept += [(group[i], group_scores[i], 0.0, False) for i in range(size)]
     everyone = [t for group in groups for t in group]
     figures = {
         "mean_reward": statistics.fmean(s for group in scores for s in group),
@@ -259,105 +506,3 @@ def _resample(
         "groups_dropped": dropped / len(groups),
     }
     return kept, figures
-
-
-def _update(
-    model: Any,
-    rows: list[tuple[list[int], list[bool], float]],
-    config: GRPOTrainConfig,
-    optimizer: Any,
-    schedule: Any,
-    tokenizer: Any,
-    rng: random.Random,
-) -> tuple[list[float], list[tuple[float, float]]]:
-    """The optimizer steps on the kept rollouts: their losses and (clip_low, clip_high) shares."""
-    import torch
-
-    if not rows:
-        return [], []
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    order = list(range(len(rows)))
-    rng.shuffle(order)
-    batches = [
-        _batch([rows[i] for i in order[start : start + config.batch_size]], pad_id, model.device)
-        for start in range(0, len(order), config.batch_size)
-    ]
-    # Same mode for the old and the new log-probabilities: only the weights differ between them.
-    model.train()
-    with torch.no_grad():
-        old = [_token_logprobs(model, batch) for batch in batches]
-    losses, clips = [], []
-    for _ in range(config.epochs):
-        for batch, old_logprobs in zip(batches, old, strict=True):
-            logprobs = _token_logprobs(model, batch)
-            loss, stats = grpo_loss(
-                logprobs,
-                old_logprobs,
-                batch["advantages"],
-                batch["mask"],
-                clip_low=config.clip_low,
-                clip_high=config.clip_high,
-                dual_clip=config.dual_clip,
-            )
-            losses.append(step(model, loss, optimizer, schedule, config))
-            clips.append((stats["clip_fraction_low"], stats["clip_fraction_high"]))
-    return losses, clips
-
-
-def _batch(rows: list[tuple[list[int], list[bool], float]], pad_id: int, device: Any) -> dict:
-    """Right-padded ids, attention mask, the loss mask of the predicted tokens, advantages.
-
-    `mask` is over tokens 1..T-1 from the first trained token of the batch on (the positions the
-    log-probabilities cover); padding is 0 in both masks."""
-    import torch
-
-    width = max(len(ids) for ids, _, _ in rows)
-    start = min(mask.index(True) for _, mask, _ in rows)  # never 0: a prompt comes first
-    ids = [ids + [pad_id] * (width - len(ids)) for ids, _, _ in rows]
-    trained = [mask + [False] * (width - len(mask)) for _, mask, _ in rows]
-    return {
-        "input_ids": torch.tensor(ids, device=device),
-        "attention_mask": torch.tensor(
-            [[1] * len(r[0]) + [0] * (width - len(r[0])) for r in rows], device=device
-        ),
-        "start": start,
-        "mask": torch.tensor([m[start:] for m in trained], dtype=torch.float32, device=device),
-        "advantages": torch.tensor([a for _, _, a in rows], dtype=torch.float32, device=device),
-    }
-
-
-def _token_logprobs(model: Any, batch: dict) -> Any:
-    """log p(token | the tokens before it) of tokens start..T-1, [B, T - start].
-
-    Only the logits of the positions that predict them are computed (`logits_to_keep`): the
-    prompt, shared by a whole group and most of a short rollout, needs none."""
-    import torch
-
-    ids, start = batch["input_ids"], batch["start"]
-    keep = ids.shape[1] - start + 1
-    logits = (
-        model(
-            input_ids=ids,
-            attention_mask=batch["attention_mask"],
-            logits_to_keep=keep,
-            use_cache=False,
-        )
-        .logits[:, :-1]
-        .float()
-    )
-    targets = ids[:, start:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def _step_line(number: int, steps: int, f: dict[str, Any]) -> str:
-    update = (
-        f"loss {f['loss']:.4f} over {f['updates']} updates"
-        if f["updates"]
-        else "no group kept, no update"
-    )
-    return (
-        f"GRPO step {number}/{steps}: reward {f['mean_reward']:.3f}, tool errors "
-        f"{f['tool_error_ratio']:.3f}, length {f['response_length']:.1f}, groups dropped "
-        f"{f['groups_dropped']:.2f}, kept {f['kept']}, {update}, {f['step_seconds']:.1f} s"
-    )

@@ -1,69 +1,63 @@
 """The process preference model (PPM) of rStar-Math: the policy with a scalar value head.
 
-It scores a partial solution (prompt + the steps so far); trained on pairs of a better and a worse
-continuation of the same prefix with a pairwise (Bradley-Terry) loss (spec §2). The checkpoint is a
-plain Hugging Face sequence-classification directory with one label and the step tags as special
-tokens (the reference saves its value head to a separate value_head.bin instead).
+It scores a partial solution (prompt + the steps so far); trained with `trl.RewardTrainer` on pairs
+of a better and a worse continuation of the same prefix, with rStar-Math's pairwise loss weighted
+1/(pos·neg) in place of TRL's (docs/training.md), and evaluated by its held-out pairwise accuracy.
+The checkpoint is a plain Hugging Face sequence-classification directory with one label and the
+step tags as special tokens (the reference saves its value head to a separate value_head.bin).
 """
 
 from __future__ import annotations
 
 import copy
 import random
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from rstar_pipelines.llm.value_model import ProcessPreferenceModel, ppm_input
 from rstar_pipelines.training.base_models import add_tags, load_trainable
-from rstar_pipelines.training.loop import (
-    TrainConfig,
-    batch_order,
-    log_interval,
-    optimizer_and_schedule,
-    step,
-)
+from rstar_pipelines.training.config import LaunchConfig, TrainConfig
 
 if TYPE_CHECKING:
     import torch
 
-# The value head's initial weights, as the reference draws them (spec §2.1).
+# The value head's initial weights, as the reference draws them (docs/training.md).
 HEAD_INIT_MEAN = 5e-7
 HEAD_INIT_STD = 1e-6
 
 
 class PPMTrainConfig(TrainConfig):
-    """PPM training settings (spec §2.4): lr 7e-6 and one epoch, as in the paper."""
+    """PPM training settings (the reference's): lr 7e-6 and one epoch, as in the paper; 5% of the
+    pairs held out; evaluated on them every `eval_steps` (750 there) and when training ends."""
 
     heldout_fraction: float = Field(
         0.05, ge=0, lt=1, description="share of pairs held out, whole prompts at a time"
     )
+    eval_steps: int | None = Field(
+        None, ge=1, description="held-out accuracy every this many steps; None: at the end only"
+    )
 
 
-def pairwise_loss(
-    r_pos: torch.Tensor,
-    r_neg: torch.Tensor,
-    pos_count: Sequence[int],
-    neg_count: Sequence[int],
-) -> torch.Tensor:
-    """The reference's pairwise loss (spec §2.3), summed over the batch.
+def pair_weight(pos_count: int, neg_count: int) -> float:
+    """A pair's weight in the loss: `1 / (pos_count * neg_count)`, so that the pairs of one step
+    (2 chosen x 2 rejected children make 4) together weigh as much as one; `1 / (pos_count +
+    neg_count)` when either count is 0, as the reference does."""
+    return 1 / (pos_count * neg_count) if pos_count and neg_count else 1 / (pos_count + neg_count)
 
-    Per pair `-logsigmoid(r_pos - r_neg) / (pos_count * neg_count)`: a step with 2 chosen and 2
-    rejected children yields 4 pairs, which together weigh as much as one. When either count is 0
-    the factor is `1 / (pos_count + neg_count)`.
-    """
-    import torch
+
+def pairwise_loss(r_pos: torch.Tensor, r_neg: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """rStar-Math's pairwise loss: the mean over the batch of `-logsigmoid(r_pos - r_neg) * weight`.
+
+    The reference sums over each device's batch; the mean is that sum divided by the per-device
+    batch size, a constant that Adam's scale invariance absorbs (up to gradient clipping). It
+    makes the loss the same however a batch is split over processes and accumulation steps."""
     import torch.nn.functional as F
 
-    factors = [
-        1 / (pos * neg) if pos and neg else 1 / (pos + neg)
-        for pos, neg in zip(pos_count, neg_count, strict=True)
-    ]
-    factor = torch.tensor(factors, dtype=r_pos.dtype, device=r_pos.device)
-    return (-F.logsigmoid(r_pos - r_neg) * factor).sum()
+    return (-F.logsigmoid(r_pos - r_neg) * weights.to(r_pos.dtype)).mean()
 
 
 def with_value_head(causal_lm: Any) -> Any:
@@ -123,17 +117,80 @@ def split_heldout(
     return train, heldout
 
 
-def preference_accuracy(
-    ppm: ProcessPreferenceModel, pairs: Sequence[dict], max_length: int
-) -> float | None:
-    """Share of pairs whose chosen completion gets the higher raw value; None without pairs."""
-    if not pairs:
-        return None
-    chosen, rejected = (
-        ppm.values([ppm_input(ppm.tokenizer, p["prompt"], p[key]) for p in pairs], max_length)
-        for key in ("chosen", "rejected")
+def preference_dataset(tokenizer: Any, pairs: Sequence[dict], max_length: int) -> Any:
+    """The tokenized pairs RewardTrainer reads: `chosen_ids` and `rejected_ids` (`ppm_input` of the
+    prompt with each completion, cut to its last max_length tokens, as scoring cuts) and
+    `weight` (`pair_weight` of the pair's counts)."""
+    from datasets import Dataset
+
+    def ids(prompt: str, completion: str) -> list[int]:
+        text = ppm_input(tokenizer, prompt, completion)
+        return tokenizer(text, add_special_tokens=False)["input_ids"][-max_length:]
+
+    return Dataset.from_list(
+        [
+            {
+                "chosen_ids": ids(pair["prompt"], pair["chosen"]),
+                "rejected_ids": ids(pair["prompt"], pair["rejected"]),
+                "weight": pair_weight(pair["pos_count"], pair["neg_count"]),
+            }
+            for pair in pairs
+        ]
     )
-    return sum(c > r for c, r in zip(chosen, rejected, strict=True)) / len(pairs)
+
+
+def _ppm_trainer(**kwargs: Any) -> Any:
+    """A trl.RewardTrainer whose loss is `pairwise_loss` and whose accuracy is exact: the share of
+    all evaluated pairs (gathered across processes) whose chosen completion scores higher."""
+    import torch
+    from trl import RewardTrainer
+    from trl.trainer.reward_trainer import DataCollatorForPreference
+
+    class WeightedPreferenceCollator(DataCollatorForPreference):
+        def torch_call(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+            batch = super().torch_call(examples)
+            batch["weight"] = torch.tensor([e["weight"] for e in examples], dtype=torch.float32)
+            return batch
+
+    class PPMTrainer(RewardTrainer):
+        pair_correct: list[float]
+
+        def _set_signature_columns_if_needed(self):
+            if self._signature_columns is None:
+                self._signature_columns = ["chosen_ids", "rejected_ids", "weight"]
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            mode = "train" if self.model.training else "eval"
+            outputs = model(
+                input_ids=inputs["input_ids"],
+                attention_mask=inputs["attention_mask"],
+                use_cache=False,
+            )
+            chosen, rejected = outputs.logits[:, 0].chunk(2)
+            loss = pairwise_loss(chosen, rejected, inputs["weight"])
+            with torch.no_grad():
+                correct = self.accelerator.gather_for_metrics((chosen > rejected).float())
+                margin = self.accelerator.gather_for_metrics(chosen - rejected)
+                self._metrics[mode]["accuracy"].extend(correct.tolist())
+                self._metrics[mode]["margin"].extend(margin.tolist())
+                if mode == "eval":
+                    self.pair_correct.extend(correct.tolist())
+            return (loss, outputs) if return_outputs else loss
+
+        def accuracy(self, dataset: Any, name: str) -> float | None:
+            """The pairwise accuracy on `dataset`, evaluated as the Trainer evaluates."""
+            if dataset is None or len(dataset) == 0:
+                return None
+            self.pair_correct = []
+            self.evaluate(dataset, metric_key_prefix=name)
+            return sum(self.pair_correct) / len(self.pair_correct)
+
+    tokenizer = kwargs["processing_class"]
+    trainer = PPMTrainer(
+        data_collator=WeightedPreferenceCollator(pad_token_id=tokenizer.pad_token_id), **kwargs
+    )
+    trainer.pair_correct = []
+    return trainer
 
 
 def train_ppm(
@@ -141,48 +198,68 @@ def train_ppm(
     pairs: list[dict],
     config: PPMTrainConfig,
     log: Callable[[str], Any] = print,
+    *,
+    output_dir: Path | None = None,
+    launch: LaunchConfig | None = None,
 ) -> dict:
     """Train `ppm` in place on preference pairs (keys prompt, chosen, rejected, pos_count,
-    neg_count) with `pairwise_loss`; returns the metrics (losses per step, accuracies)."""
-    import torch
+    neg_count) and, with an output_dir, save it there; returns the metrics (losses per step,
+    pairwise accuracies on the training pairs before and after, and on the held-out pairs at
+    the end and every eval_steps). Resumes from the last complete checkpoint under output_dir."""
+    import tempfile
 
-    started = time.monotonic()
-    torch.manual_seed(config.seed)
+    from transformers import PrinterCallback
+    from trl import RewardConfig
+
+    from rstar_pipelines.training import hf_trainer
+
+    launch = launch or LaunchConfig()
     train, heldout = split_heldout(pairs, config.heldout_fraction, config.seed)
     if not train:
         raise ValueError("no preference pairs to train on")
-    accuracy_before = preference_accuracy(ppm, train, config.max_length)
-    batches = batch_order(len(train), config)
-    optimizer, schedule = optimizer_and_schedule(ppm.model, config, len(batches))
-    every = log_interval(len(batches))
-    log(f"PPM: {len(train)} pairs ({len(heldout)} held out), {len(batches)} steps")
-    ppm.model.train()
-    losses = []
-    for number, indices in enumerate(batches, 1):
-        batch = [train[i] for i in indices]
-        texts = [
-            ppm_input(ppm.tokenizer, pair["prompt"], pair[key])
-            for key in ("chosen", "rejected")
-            for pair in batch
-        ]
-        values = ppm.forward(texts, config.max_length)
-        loss = pairwise_loss(
-            values[: len(batch)],
-            values[len(batch) :],
-            [pair["pos_count"] for pair in batch],
-            [pair["neg_count"] for pair in batch],
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(output_dir or scratch)
+        periodic = config.eval_steps is not None and bool(heldout)
+        args = hf_trainer.arguments(
+            RewardConfig,
+            config,
+            launch,
+            out,
+            max_length=None,  # cut when tokenized, keeping the end (the step being judged)
+            eval_strategy="steps" if periodic else "no",
+            eval_steps=config.eval_steps,
         )
-        losses.append(step(ppm.model, loss, optimizer, schedule, config))
-        if number % every == 0 or number == len(batches):
-            log(f"PPM step {number}/{len(batches)}: loss {losses[-1]:.4f}")
-    ppm.model.eval()
-    return {
-        "losses": losses,
-        "train_accuracy_before": accuracy_before,
-        "train_accuracy_after": preference_accuracy(ppm, train, config.max_length),
-        "heldout_accuracy": preference_accuracy(ppm, heldout, config.max_length),
-        "train_pairs": len(train),
-        "heldout_pairs": len(heldout),
-        "steps": len(batches),
-        "seconds": round(time.monotonic() - started, 3),
-    }
+        train_data = preference_dataset(ppm.tokenizer, train, config.max_length)
+        heldout_data = preference_dataset(ppm.tokenizer, heldout, config.max_length)
+        trainer = _ppm_trainer(
+            model=ppm.model,
+            args=args,
+            train_dataset=train_data,
+            eval_dataset=heldout_data if periodic else None,
+            processing_class=ppm.tokenizer,
+            peft_config=hf_trainer.peft_config(launch, "SEQ_CLS", modules_to_save=["score"]),
+            callbacks=[hf_trainer.progress_callback("PPM", log)],
+        )
+        trainer.remove_callback(PrinterCallback)
+        log(f"PPM: {len(train)} pairs ({len(heldout)} held out)")
+        before = trainer.accuracy(train_data, "train_before")
+        resumed = hf_trainer.train(trainer, out, log)
+        after = trainer.accuracy(train_data, "train_after")
+        heldout_accuracy = trainer.accuracy(heldout_data, "heldout")
+        ppm.model = hf_trainer.finish(trainer, ppm.tokenizer, out if output_dir else None)
+        ppm.model.eval()
+        return {
+            "losses": hf_trainer.logged(trainer, "loss"),
+            "train_accuracy_before": before,
+            "train_accuracy_after": after,
+            "heldout_accuracy": heldout_accuracy,
+            # The periodic evaluations (the others log under their own prefix, e.g. train_before).
+            "heldout_accuracy_curve": [
+                e["eval_accuracy"] for e in trainer.state.log_history if "eval_loss" in e
+            ],
+            "train_pairs": len(train),
+            "heldout_pairs": len(heldout),
+            "steps": trainer.state.global_step,
+            "resumed_from_step": resumed,
+            "processes": trainer.accelerator.num_processes,
+        }

@@ -1,4 +1,5 @@
-"""The training process: `python -m rstar_pipelines.training.run CONFIG.json`.
+"""One training process: `accelerate launch ... -m rstar_pipelines.training.run CONFIG.json`, which
+`rstar_pipelines.training.launch` starts (and which checks the input first).
 
 CONFIG.json holds `job` ("ppm", "sft", "gate" or "grpo"), `base_model` (the policy to start from:
 "embedded", a .gguf file or a Hugging Face directory; a gate job keeps it frozen), `data` (a
@@ -7,31 +8,34 @@ examples with `messages` for "sft"; texts for "gate": a `text` column, and optio
 for the rows whose text is null, rendered with the model's chat template; problems for "grpo":
 id, domain, question, answer (math), inputs and labels (code), and `prompt`, the chat messages a
 rollout starts from, already rendered from the prompt templates), `output_dir`, `train`
-(PPMTrainConfig, SFTTrainConfig, GateTrainSettings or GRPOTrainConfig fields) and optionally
-`num_threads`. A grpo job starts its own sandbox (the backend and workers its config names) for
-the tool calls and the code rewards, and stops it when training ends.
+(PPMTrainConfig, SFTTrainConfig, GateTrainSettings or GRPOTrainConfig fields), `launch`
+(LaunchConfig fields) and optionally `num_threads`. A grpo job starts a sandbox per process (the
+backend and workers its config names) for the tool calls and the code rewards.
 
-It writes the checkpoint (a Hugging Face directory; for "gate", a SeerGates directory) and
-`training_metrics.json` to output_dir.
-Launched by Dagster Pipes, it reports progress to the run's logs; otherwise it logs to stderr.
-Bad input (config, data file, columns) is refused before any model loads, with exit status 2.
+The ppm, sft and grpo jobs train with TRL; each saves resumable checkpoints under output_dir
+(`checkpoint-<step>`) and resumes from the last complete one when started again. At the end the
+first process writes the checkpoint (a Hugging Face directory; for "gate", a SeerGates
+directory) and `training_metrics.json` to output_dir. Progress lines go to stdout, one per
+logged step and rank (the launcher relays them).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from dagster_pipes import PipesContext, open_dagster_pipes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rstar_pipelines.agent.reward import AgentProblem
-from rstar_pipelines.training.gate import GateTrainSettings, train_gate_job
+from rstar_pipelines.training.config import LaunchConfig
+from rstar_pipelines.training.gate import GateTrainSettings
 from rstar_pipelines.training.grpo import GRPOTrainConfig
 from rstar_pipelines.training.ppm import PPMTrainConfig
 from rstar_pipelines.training.sft import SFTTrainConfig
@@ -67,7 +71,8 @@ class RunConfig(BaseModel):
     data: Path
     output_dir: Path
     train: dict[str, Any] = Field(default_factory=dict)
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads; default: torch's")
+    launch: LaunchConfig = LaunchConfig()
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per process")
 
 
 def read_config(path: Path) -> tuple[RunConfig, TrainSettings]:
@@ -145,73 +150,85 @@ def train(
     torch.manual_seed(train_config.seed)  # the PPM's head and the gates are drawn at random
     device = "cuda" if torch.cuda.is_available() else "cpu"
     log(f"loading {config.base_model} for a {config.job} job on {device}")
+    out, launch = config.output_dir, config.launch
     if config.job == "gate":
-        metrics = train_gate_job(
-            config.base_model, device, config.output_dir, train_config, rows, log
-        )
-    elif config.job == "ppm":
+        from rstar_pipelines.training.gate import train_gate_job
+
+        return train_gate_job(config.base_model, device, out, train_config, rows, log)
+    if config.job == "ppm":
         from rstar_pipelines.training.ppm import ppm_from_base, train_ppm
 
         ppm = ppm_from_base(config.base_model)
-        ppm.model.to(device)
-        metrics = train_ppm(ppm, rows, train_config, log)
-        ppm.save(config.output_dir)
-    else:
-        from rstar_pipelines.training.base_models import add_tags, load_trainable
+        return train_ppm(ppm, rows, train_config, log, output_dir=out, launch=launch)
+    from rstar_pipelines.training.base_models import add_tags, load_trainable
 
-        model, tokenizer = load_trainable(config.base_model)
-        if config.job == "sft":
-            from rstar_pipelines.training.sft import train_sft
+    model, tokenizer = load_trainable(config.base_model)
+    if config.job == "sft":
+        from rstar_pipelines.training.sft import train_sft
 
-            add_tags(model, tokenizer)
-            model.to(device)
-            metrics = train_sft(model, tokenizer, rows, train_config, log)
-        else:
-            model.to(device)
-            metrics = _train_grpo(model, tokenizer, rows, config.data, train_config, log)
-        model.save_pretrained(config.output_dir)
-        tokenizer.save_pretrained(config.output_dir)
-    log(f"saved the checkpoint to {config.output_dir}")
-    return metrics
+        add_tags(model, tokenizer)
+        return train_sft(model, tokenizer, rows, train_config, log, output_dir=out, launch=launch)
+    return _train_grpo(model, tokenizer, rows, config, train_config, log)
 
 
 def _train_grpo(
     model: Any,
     tokenizer: Any,
     rows: list[dict],
-    source: Path,
+    config: RunConfig,
     train_config: GRPOTrainConfig,
     log: Callable[[str], Any],
 ) -> dict:
     from rstar_pipelines.training.grpo import train_grpo
     from rstar_sandbox import Sandbox
 
-    problems, prompts = agent_problems(rows, source)
+    problems, prompts = agent_problems(rows, config.data)
     log(f"starting a {train_config.sandbox_backend} sandbox for the tool calls and rewards")
     with Sandbox(
         backend=train_config.sandbox_backend, workers=train_config.sandbox_workers
     ) as sandbox:
-        return train_grpo(model, tokenizer, problems, train_config, sandbox, prompts, log)
+        return train_grpo(
+            model,
+            tokenizer,
+            problems,
+            train_config,
+            sandbox,
+            prompts,
+            log,
+            output_dir=config.output_dir,
+            launch=config.launch,
+        )
 
 
 def run(config_path: Path, log: Callable[[str], Any]) -> None:
     config, train_config = read_config(config_path)
     rows = read_rows(config)
+    started = time.monotonic()
     metrics = train(config, train_config, rows, log)
-    record = {
-        "job": config.job,
-        "base_model": config.base_model,
-        "train": train_config.model_dump(),
-        **metrics,
-    }
-    (config.output_dir / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+    if _rank()[0] == 0:
+        record = {
+            "job": config.job,
+            "base_model": config.base_model,
+            "train": train_config.model_dump(),
+            "launch": config.launch.model_dump(),
+            # This process's time on the job (loading, training, saving) unless the job says.
+            "seconds": round(time.monotonic() - started, 3),
+            **metrics,
+        }
+        (config.output_dir / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        log(f"saved the checkpoint to {config.output_dir}")
 
 
-def _logger(pipes: Any) -> Callable[[str], Any]:
-    if isinstance(pipes, PipesContext):
-        return pipes.log.info
-    # Outside Dagster, open_dagster_pipes returns a mock that drops everything.
-    return lambda message: print(message, file=sys.stderr, flush=True)
+def _rank() -> tuple[int, int]:
+    """(this process's rank, the number of processes), as torchrun / accelerate set them."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _logger() -> Callable[[str], Any]:
+    """Progress lines to stdout, prefixed with the rank when there are several processes."""
+    rank, world = _rank()
+    prefix = f"[rank {rank}/{world}] " if world > 1 else ""
+    return lambda message: print(prefix + message, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -219,9 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m rstar_pipelines.training.run CONFIG.json", file=sys.stderr)
         return 2
+    import datasets
+    import transformers
+
+    # The progress lines say how far it is; bars from every rank would only interleave.
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
     try:
-        with open_dagster_pipes() as pipes:
-            run(Path(args[0]), _logger(pipes))
+        run(Path(args[0]), _logger())
     except BadInput as error:
         print(f"training: {error}", file=sys.stderr)
         return 2

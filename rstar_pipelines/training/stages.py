@@ -1,17 +1,27 @@
 """Stage kinds that train: ppm_checkpoint and policy_checkpoint (attn_gate_checkpoint, in
-gate_stages.py, is one more).
+gate_stages.py, and grpo_roc_checkpoint, in agent_stages.py, are two more).
 
-Training runs in its own process (`python -m rstar_pipelines.training.run`, launched
-through Dagster Pipes), so an out-of-memory kill fails the step, not the run. The
-checkpoint is a Hugging Face directory under <data>/checkpoints/; the asset is one row
-with its path and the training figures, which the next round reads.
+Training runs out of the Dagster process: the launcher (`python -m
+rstar_pipelines.training.launch`, through Dagster Pipes) starts `accelerate launch` with the
+asset's declared `launch` block, so an out-of-memory kill fails the step, not the run, and the
+same job runs on one CPU or many GPUs. The job's directory under <data>/checkpoints/<name>/ is
+named by a fingerprint of everything the job reads (base model, data, train and launch
+settings): materializing the asset again after a kill finds the same directory and the trainer
+resumes from its last checkpoint; a finished job's directory is never written again (the next
+run of the same job takes `<fingerprint>-2`, and so on). The asset is one row with the
+checkpoint's path and the training figures, which the next round reads.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import io
+import itertools
 import json
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,22 +41,30 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
 )
 from rstar_pipelines.storage import schemas
+from rstar_pipelines.training.config import LaunchConfig
 from rstar_pipelines.training.ppm import PPMTrainConfig
 from rstar_pipelines.training.run import METRICS_FILE
 from rstar_pipelines.training.sft import SFTTrainConfig
 
 
-class PolicyTrainingParams(StageParams):
+class TrainingParams(StageParams):
+    """What every training stage declares besides its recipe (`train`)."""
+
+    launch: LaunchConfig = LaunchConfig()
+    num_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads per training process"
+    )
+
+
+class PolicyTrainingParams(TrainingParams):
     model: str  # the base model's role: the policy is retrained from it every round
     round: int = Field(1, ge=1)
     train: SFTTrainConfig = SFTTrainConfig()
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
 
 
-class PPMTrainingParams(StageParams):
+class PPMTrainingParams(TrainingParams):
     round: int = Field(1, ge=1)
     train: PPMTrainConfig = PPMTrainConfig()
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads of the trainer")
 
 
 class TrainingStage(Stage):
@@ -91,29 +109,24 @@ class TrainingStage(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        data = self.training_data(ctx, inputs)
+        data = _parquet_bytes(self.training_data(ctx, inputs))
         base = self.base_model(ctx, inputs)
-        out = (
-            settings.data_dir()
-            / "checkpoints"
-            / self.checkpoint_name()
-            / (ctx.run_id or time.strftime("%Y%m%d-%H%M%S"))
-        )
-        out.mkdir(parents=True, exist_ok=True)
-        pq.write_table(data, out / "train_data.parquet")
-        config = {
+        job = {
             "job": self.job,
             "base_model": base,
-            "data": str(out / "train_data.parquet"),
-            "output_dir": str(out),
             "train": self.train_settings(ctx),
+            "launch": p.launch.model_dump(mode="json"),
             "num_threads": p.num_threads,
         }
-        (out / "train_config.json").write_text(json.dumps(config, indent=2))
-        ctx.run_process(
-            [sys.executable, "-m", "rstar_pipelines.training.run", str(out / "train_config.json")]
-        )
-        metrics = json.loads((out / METRICS_FILE).read_text())
+        root = settings.data_dir() / "checkpoints" / self.checkpoint_name()
+        with job_directory(root, fingerprint(job, data)) as out:
+            (out / "train_data.parquet").write_bytes(data)
+            config = {**job, "data": str(out / "train_data.parquet"), "output_dir": str(out)}
+            (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            ctx.run_process(
+                [sys.executable, "-m", "rstar_pipelines.training.launch", str(out / CONFIG_FILE)]
+            )
+            metrics = json.loads((out / METRICS_FILE).read_text())
         return self._result(ctx, out, base, metrics)
 
     def _result(self, ctx: StageContext, out: Path, base: str, m: dict[str, Any]) -> StageResult:
@@ -121,9 +134,14 @@ class TrainingStage(Stage):
         shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
         losses = m["losses"]
         updates = len(losses)  # one loss per optimizer step taken
+        metadata = {**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")}
+        if m.get("heldout_accuracy_curve"):
+            metadata["heldout_accuracy_curve"] = line_plot(
+                m["heldout_accuracy_curve"], "held-out pairwise accuracy", "evaluation", "accuracy"
+            )
         return StageResult(
             table=pa.Table.from_pylist([row], schema=self.schema),
-            metadata={**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")},
+            metadata=metadata,
             checks=[
                 CheckOutcome(
                     "made_updates",
@@ -149,11 +167,13 @@ class TrainingStage(Stage):
             "train_accuracy_before": m.get("train_accuracy_before"),
             "train_accuracy_after": m.get("train_accuracy_after"),
             "seconds": m["seconds"],
+            "processes": m.get("processes"),
+            "resumed_from_step": m.get("resumed_from_step"),
         }
 
 
 class PolicyCheckpoint(TrainingStage):
-    """The policy fine-tuned on sft_dataset from the declared base model (spec §3; the
+    """The policy fine-tuned on sft_dataset from the declared base model (docs/training.md; the
     paper retrains from the base model every round), the step tags added as tokens."""
 
     Params = PolicyTrainingParams
@@ -167,7 +187,7 @@ class PolicyCheckpoint(TrainingStage):
 
 class PPMCheckpoint(TrainingStage):
     """The process preference model: this round's policy with a scalar head, trained on
-    ppm_pairs with the pairwise loss weighted 1/(pos·neg) (spec §2)."""
+    ppm_pairs with the pairwise loss weighted 1/(pos·neg) (docs/training.md)."""
 
     Params = PPMTrainingParams
     job = "ppm"
@@ -175,6 +195,45 @@ class PPMCheckpoint(TrainingStage):
 
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
         return policy_checkpoint_path(inputs)
+
+
+CONFIG_FILE = "train_config.json"
+
+
+def _parquet_bytes(table: pa.Table) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    return sink.getvalue()
+
+
+def fingerprint(job: dict[str, Any], data: bytes) -> str:
+    """What names a job's directory: its settings and the bytes of its data."""
+    digest = hashlib.sha256(json.dumps(job, sort_keys=True).encode())
+    digest.update(hashlib.sha256(data).digest())
+    return digest.hexdigest()[:16]
+
+
+@contextmanager
+def job_directory(root: Path, name: str) -> Iterator[Path]:
+    """The directory of the job named `name` under root, locked while the context is open: the
+    first of `name`, `name-2`, ... that holds no finished job (no metrics file) and that no
+    other run holds. A killed job's directory is found again, with its checkpoints."""
+    for attempt in itertools.count(1):
+        path = root / (name if attempt == 1 else f"{name}-{attempt}")
+        if (path / METRICS_FILE).exists():
+            continue
+        path.mkdir(parents=True, exist_ok=True)
+        lock = (path / ".lock").open("w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another run is training this very job now
+            lock.close()
+            continue
+        try:
+            yield path
+        finally:
+            lock.close()
+        return
 
 
 def policy_checkpoint_path(inputs: dict[str, pa.Table]) -> str:

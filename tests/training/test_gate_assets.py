@@ -1,5 +1,5 @@
 """gate_distill_data and attn_gate_checkpoint through Dagster: the gates are really trained, out of
-process, on the tiny random Llama; the training process's gate job refuses bad input."""
+process under the launcher, on the tiny random Llama; the gate job refuses bad input."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import dataclasses
 import json
 import math
 import subprocess
-import sys
 
 import dagster as dg
 import pyarrow as pa
@@ -22,6 +21,7 @@ from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from rstar_pipelines.training.gate import GateTrainSettings
 from tests.conftest import REPO
+from tests.training.test_launch import launch
 
 
 def _solution(i: int) -> str:
@@ -203,25 +203,14 @@ def test_settings_mirror_the_kernel_config():
 def _run_gate_job(tmp_path, rows: list[dict]) -> subprocess.CompletedProcess:
     data = tmp_path / "texts.parquet"
     pq.write_table(pa.Table.from_pylist(rows), data)
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "job": "gate",
-                "base_model": "absent-model-dir",  # never loaded: the input is refused first
-                "data": str(data),
-                "output_dir": str(tmp_path / "out"),
-                "train": {"block_size": 16},
-            }
-        )
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "rstar_pipelines.training.run", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    config = {
+        "job": "gate",
+        "base_model": "absent-model-dir",  # never loaded: the input is refused first
+        "data": str(data),
+        "output_dir": str(tmp_path / "out"),
+        "train": {"block_size": 16},
+    }
+    return launch(tmp_path, config)
 
 
 def test_gate_job_refuses_bad_data(tmp_path):

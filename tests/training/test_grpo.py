@@ -1,6 +1,6 @@
-"""GRPO-RoC training: the token masks of a multi-turn rollout, a tiny random Llama that really
-learns from the rewards, the training process's grpo job, and grpo_roc_checkpoint in Dagster.
-Tool calls and code rewards run in the real process sandbox."""
+"""GRPO-RoC training on trl.GRPOTrainer: the token masks of a multi-turn rollout, a tiny random
+Llama that really learns from the rewards, the launcher's grpo job, and grpo_roc_checkpoint in
+Dagster. Tool calls and code rewards run in the real process sandbox."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from rstar_pipelines.training.grpo import GRPOTrainConfig, rollout_tokens, train
 from rstar_pipelines.training.sft import SFTTrainConfig, train_sft
 from rstar_sandbox import Sandbox
 from tests.conftest import REPO
-from tests.training.test_run import run_training
+from tests.training.test_launch import launch
 
 SYSTEM = "Answer inside <answer> </answer>."
 
@@ -163,7 +163,9 @@ def test_grpo_roc_raises_the_reward_of_a_tiny_model(tiny_base, sandbox):
     first, last = statistics.fmean(rewards[:3]), statistics.fmean(rewards[-3:])
     assert rewards[0] < 0.5  # before any update: about the random-answer rate of 0.25
     assert last > 0.7 and last - first > 0.25
-    assert len(lines) == 13 and lines[-1].startswith("GRPO step 12/12: reward")
+    # Two optimizer steps per training step (16 kept rollouts, 8 a micro-batch).
+    assert metrics["updates_per_step"] == 2
+    assert any(line.startswith("GRPO step 24/24: loss") for line in lines)
     assert all(len(metrics[name]) == 12 for name in ("kept", "loss", "clip_low", "step_seconds"))
     updated = [n for n in metrics["updates"] if n]
     assert len(metrics["losses"]) == sum(updated) and max(updated) == 2
@@ -183,6 +185,7 @@ def test_a_step_without_a_kept_group_makes_no_update(tiny_base, sandbox):
         prompts_per_step=1,
         group_size=2,
         min_each=1,
+        batch_size=2,
         max_length=128,
         rollout=RolloutConfig(max_turns=1, max_response_tokens=8),
     )
@@ -191,6 +194,7 @@ def test_a_step_without_a_kept_group_makes_no_update(tiny_base, sandbox):
     )
     assert metrics["mean_reward"] == [0.0, 0.0] and metrics["groups_dropped"] == [1.0, 1.0]
     assert metrics["updates"] == [0, 0] and metrics["loss"] == [None, None]
+    assert metrics["clip_low"] == [None, None]
     assert metrics["kept"] == [0, 0] and metrics["skipped_steps"] == 2 and metrics["losses"] == []
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
@@ -235,6 +239,7 @@ def grpo_config(tmp_path: Path, base: str, data: Path, **train) -> dict:
             "prompts_per_step": 2,
             "group_size": 2,
             "min_each": 1,
+            "batch_size": 2,
             "max_length": 256,
             "sandbox_backend": "process",
             "sandbox_workers": 1,
@@ -250,15 +255,15 @@ def test_grpo_job_trains_saves_and_reloads(tiny_base, tmp_path):
 
     data = tmp_path / "problems.parquet"
     pq.write_table(pa.Table.from_pylist(problem_rows()), data)
-    result = run_training(tmp_path, grpo_config(tmp_path, tiny_base, data))
-    assert result.returncode == 0, result.stderr
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data))
+    assert result.returncode == 0, result.stderr[-3000:]
     assert "starting a process sandbox" in result.stderr
-    assert "GRPO step 2/2: reward" in result.stderr
+    assert "GRPO step 4/4: loss" in result.stderr and "roc/mean_reward" in result.stderr
 
     out = tmp_path / "grpo"
     metrics = json.loads((out / "training_metrics.json").read_text())
     assert metrics["job"] == "grpo" and metrics["base_model"] == tiny_base
-    assert metrics["steps"] == 2 and metrics["examples"] == 2
+    assert metrics["steps"] == 2 and metrics["examples"] == 2 and metrics["updates_per_step"] == 2
     assert metrics["train"]["group_size"] == 2 and metrics["train"]["sandbox_backend"] == "process"
     for name in ("mean_reward", "tool_error_ratio", "response_length", "groups_dropped", "kept"):
         assert len(metrics[name]) == 2
@@ -274,31 +279,32 @@ def test_grpo_job_refuses_bad_input_before_loading(tiny_base, tmp_path):
     pq.write_table(
         pa.Table.from_pylist([{k: v for k, v in r.items() if k != "prompt"} for r in rows]), data
     )
-    result = run_training(tmp_path, grpo_config(tmp_path, tiny_base, data))
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data))
     assert result.returncode == 2
     assert "lacks the column(s) prompt" in result.stderr
 
     pq.write_table(pa.Table.from_pylist([{**rows[0], "answer": None}, rows[1]]), data)
-    result = run_training(tmp_path, grpo_config(tmp_path, tiny_base, data))
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data))
     assert result.returncode == 2
     assert "row 0: math problem 'm1' has no gold answer" in result.stderr
 
     pq.write_table(
         pa.Table.from_pylist([rows[0], {**rows[1], "prompt": rows[1]["prompt"][:1]}]), data
     )
-    result = run_training(tmp_path, grpo_config(tmp_path, tiny_base, data))
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data))
     assert result.returncode == 2
     assert "row 1: prompt must be chat messages ending with user" in result.stderr
 
     pq.write_table(pa.Table.from_pylist(rows), data)
-    result = run_training(tmp_path, grpo_config(tmp_path, tiny_base, data, max_steps=3))
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data, max_steps=3))
     assert result.returncode == 2
     assert "max_steps does not apply to GRPO" in result.stderr
-    result = run_training(
-        tmp_path, grpo_config(tmp_path, tiny_base, data, group_size=2, min_each=2)
-    )
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data, group_size=2, min_each=2))
     assert result.returncode == 2
     assert "group_size 2 cannot keep min_each = 2" in result.stderr
+    result = launch(tmp_path, grpo_config(tmp_path, tiny_base, data, batch_size=3))
+    assert result.returncode == 2
+    assert "each process trains 4 rollouts a step" in result.stderr
     assert "loading" not in result.stderr and not (tmp_path / "grpo").exists()
 
 
