@@ -165,3 +165,73 @@ def machine() -> str:
     return (
         f"{platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python {python}"
     )
+
+
+def load_average() -> str:
+    """The 1-minute load average: other work on the machine distorts every figure."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+# Runs inside a container started as the pool starts its workers: times, per job, the
+# steps the hardening adds, with the server's own functions.
+HARDENING_STEPS = """
+import os, sys, time
+sys.path.insert(0, "/opt/rstar")
+import server
+N = int(sys.argv[1])
+def per_job(step):  # the 10th percentile: other work on the machine only adds time
+    took = []
+    for _ in range(N):
+        start = time.perf_counter()
+        step()
+        took.append(time.perf_counter() - start)
+    return sorted(took)[N // 10] * 1e6
+server._prctl(server.PR_SET_DUMPABLE, 0)  # as the server starts
+server._prctl(server.PR_SET_NO_NEW_PRIVS, 1)
+os.setgroups([])
+job_uid = 10001
+supervisor = server.Supervisor(None, job_uid, None)
+zygote = server.Zygote(job_uid, syscall_filter=True)
+def child(work):
+    def fork_one():
+        pid = zygote.fork()
+        if pid == 0:
+            work()
+            os._exit(0)
+        os.waitpid(pid, 0)
+    return fork_one
+bare = per_job(child(lambda: None))
+drop = per_job(child(zygote._drop_privileges)) - bare
+seccomp_off = server.Zygote(job_uid, syscall_filter=False)
+drop_no_filter = per_job(child(seccomp_off._drop_privileges)) - bare
+print(f"reset after a job (kill(-1) as the job user, empty /tmp and /dev/shm): "
+      f"{per_job(supervisor._reset):.1f} us")
+print(f"job child drops privileges (OOM score, gid, uid, dumpable): "
+      f"{drop_no_filter:.1f} us; with the syscall filter (process backend): {drop:.1f} us")
+print(f"for scale, fork and reap a job child from the zygote: {bare:.1f} us")
+"""
+
+
+def hardening_cost(image: str, jobs: int = 2000) -> str:
+    """The per-job cost of the hardening steps, measured in a worker-like container."""
+    from rstar_sandbox.pool import docker_client
+    from rstar_sandbox.server import IPC_SYSCTLS, TMPFS_INODES, WRITABLE
+    from rstar_sandbox.workers import CONTAINER_SERVER, SERVER_FILE
+
+    tmpfs = f"rw,nosuid,nodev,noexec,size=64m,nr_inodes={TMPFS_INODES},mode=1777"
+    output = docker_client().containers.run(
+        image,
+        command=["python3", "-I", "-c", HARDENING_STEPS, str(jobs)],
+        remove=True,
+        network_mode="none",
+        read_only=True,
+        tmpfs=dict.fromkeys(WRITABLE, tmpfs),
+        sysctls=IPC_SYSCTLS,
+        user="0:0",
+        cap_drop=["ALL"],
+        cap_add=["SETUID", "SETGID"],
+        security_opt=["no-new-privileges"],
+        environment={"OPENBLAS_NUM_THREADS": "1"},
+        volumes={str(SERVER_FILE): {"bind": CONTAINER_SERVER, "mode": "ro"}},
+    )
+    return output.decode()

@@ -119,12 +119,13 @@ def test_nothing_a_job_writes_or_starts_survives_it_on_any_worker(sandbox):
 def test_the_process_backend_keeps_off_the_hosts_shared_memory(backend):
     if backend != "process":
         pytest.skip("the Docker backend never sees the host's file systems")
-    code = "import os\nopen('/dev/shm/mine', 'w').write('x')\nprint(os.stat('/dev/shm').st_dev)"
+    name = f"rstar-shm-{uuid.uuid4().hex[:12]}"
+    code = f"import os\nopen('/dev/shm/{name}', 'w').write('x')\nprint(os.stat('/dev/shm').st_dev)"
     with Sandbox(backend="process", workers=1) as sb:
         [result] = sb.run([Job(code=code)])
     assert result.status == OK
     assert int(result.stdout) != os.stat("/dev/shm").st_dev  # a tmpfs of its own
-    assert not os.path.exists("/dev/shm/mine")
+    assert not os.path.exists(f"/dev/shm/{name}")
 
 
 FILL = """
