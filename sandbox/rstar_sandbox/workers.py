@@ -68,6 +68,21 @@ class Worker:
                     pass
 
 
+def locked_down(tmpfs_mb: int) -> dict:
+    """The containers.run options that lock a sandbox container down."""
+    tmpfs = f"rw,nosuid,nodev,noexec,size={tmpfs_mb}m,nr_inodes={TMPFS_INODES},mode=1777"
+    return {
+        "network_mode": "none",
+        "read_only": True,
+        "tmpfs": dict.fromkeys(WRITABLE, tmpfs),
+        "sysctls": IPC_SYSCTLS,
+        "user": "0:0",
+        "cap_drop": ["ALL"],
+        "cap_add": ["SETUID", "SETGID"],
+        "security_opt": ["no-new-privileges"],
+    }
+
+
 class DockerWorker(Worker):
     """A locked-down container: no network, read-only root, size- and inode-capped
     tmpfs mounts for /tmp and /dev/shm (the only places a job can write), SysV IPC and
@@ -104,20 +119,12 @@ class DockerWorker(Worker):
             "--preload",
             ",".join(preload),
         ]
-        tmpfs = f"rw,nosuid,nodev,noexec,size={tmpfs_mb}m,nr_inodes={TMPFS_INODES},mode=1777"
         try:
             self.container = client.containers.run(
                 image,
                 command=command,
                 detach=True,
-                network_mode="none",
-                read_only=True,
-                tmpfs=dict.fromkeys(WRITABLE, tmpfs),
-                sysctls=IPC_SYSCTLS,
-                user="0:0",
-                cap_drop=["ALL"],
-                cap_add=["SETUID", "SETGID"],
-                security_opt=["no-new-privileges"],
+                **locked_down(tmpfs_mb),
                 pids_limit=pids,
                 mem_limit=f"{memory_mb}m",
                 memswap_limit=f"{memory_mb}m",
