@@ -370,3 +370,25 @@ def test_process_backend_without_root_drops_every_capability():
     status, stdout, stderr = json.loads(proc.stdout)
     assert status == OK, stderr
     assert stdout.split() == ["0", "0000000000000000", "-1", "False"]
+
+
+def test_a_job_cannot_stop_the_server(backend):
+    """Every signal a job can send to the zygote (PID 1), the supervisor or anything
+    else: the worker keeps serving without a restart."""
+    attack = (
+        "import os, signal\n"
+        "for pid in map(int, filter(str.isdigit, os.listdir('/proc'))):\n"
+        "    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):\n"
+        "        if pid != os.getpid():\n"
+        "            try:\n"
+        "                os.kill(pid, sig)\n"
+        "            except OSError:\n"
+        "                pass\n"
+        "os.kill(-1, signal.SIGKILL)\n"  # all it may signal but itself: nothing
+        "print('done')\n"
+    )
+    with Sandbox(backend=backend, workers=1) as sb:
+        attacked = sb.run([Job(code=attack)])[0]
+        after = sb.run([Job(code="print('still here')")])[0]
+    assert (attacked.status, attacked.stdout, attacked.attempts) == (OK, "done\n", 1)
+    assert (after.status, after.stdout, after.attempts) == (OK, "still here\n", 1)
