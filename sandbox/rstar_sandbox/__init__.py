@@ -7,8 +7,10 @@
 
 Backends: "docker" (a pool of containers, each running `server.py`), "process" (the
 same server as host processes in fresh namespaces, for machines without an engine),
-"auto" (Docker when an engine answers and the image is built). This package never
-imports rstar_pipelines or Dagster.
+"auto" (Docker when an engine answers and the image is built); others register in
+`rstar_sandbox.pool.BACKENDS`. On both, nothing a job writes or starts survives it and
+no job can read another's data (see server.py). This package never imports
+rstar_pipelines or Dagster.
 """
 
 from rstar_sandbox.jobs import (
