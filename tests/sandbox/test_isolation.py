@@ -330,6 +330,9 @@ def test_process_backend_without_root_drops_every_capability():
     reach the host's /tmp or write anywhere else."""
     if os.geteuid() != 0:
         pytest.skip("run as root, so that the test can start the pool as nobody")
+    probe = subprocess.run([*AS_NOBODY, "unshare", "--user", "--map-root-user", "true"], cwd="/")
+    if probe.returncode != 0:
+        pytest.skip("this kernel does not let unprivileged users create user namespaces")
     import rstar_sandbox
 
     readable = tempfile.mkdtemp(prefix="rstar-sandbox-copy-")  # nobody must read the package
