@@ -175,7 +175,7 @@ class GateTrainingParams(TrainingParams):
 
 class AttnGateCheckpoint(TrainingStage):
     """SeerAttention-R gates for the declared base model, self-distilled from its own attention
-    on gate_distill_data (spec §1.4-1.5); the base model stays frozen. The row reports the
+    on gate_distill_data (docs/seer-attention.md); the base model stays frozen. The row reports the
     held-out top-k block recall before (fresh gates) and after training."""
 
     Params = GateTrainingParams

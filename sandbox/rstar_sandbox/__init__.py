@@ -9,7 +9,9 @@ Backends: "docker" (a pool of containers, each running `server.py`), "process" (
 same server as host processes in fresh namespaces, for machines without an engine),
 "auto" (Docker when an engine answers and the image is built), "http" (the same API
 over `rstar sandbox serve` instances on other hosts: `Sandbox(backend="http",
-urls=[...])`, see http_client and service). This package never imports
+urls=[...])`, see http_client and service); others register in
+`rstar_sandbox.pool.BACKENDS`. On docker and process, nothing a job writes or starts
+survives it and no job can read another's data (see server.py). This package never imports
 rstar_pipelines or Dagster.
 """
 

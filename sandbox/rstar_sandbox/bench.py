@@ -165,3 +165,79 @@ def machine() -> str:
     return (
         f"{platform.machine()}, {os.cpu_count()} CPUs, Linux {platform.release()}, Python {python}"
     )
+
+
+def load_average() -> str:
+    """The 1-minute load average: other work on the machine distorts every figure."""
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+# Runs inside a container locked down as the workers are: times, per job, the steps the
+# hardening adds, with the server's own functions (10th percentiles of single timings).
+HARDENING_STEPS = """
+import os, sys, time
+sys.path.insert(0, "/opt/rstar")
+import server
+N = int(sys.argv[1])
+server._prctl(server.PR_SET_DUMPABLE, 0)  # as the server starts
+server._prctl(server.PR_SET_NO_NEW_PRIVS, 1)
+os.setgroups([])
+job_uid = 10001
+def p10(samples):  # other work on the machine only ever adds time
+    return sorted(samples)[len(samples) // 10] * 1e6
+def in_children(zygote, step):
+    took = []
+    for _ in range(N):
+        r, w = os.pipe()
+        pid = zygote.fork()
+        if pid == 0:
+            start = time.perf_counter()
+            step(zygote)
+            os.write(w, repr(time.perf_counter() - start).encode())
+            os._exit(0)
+        os.close(w)
+        took.append(float(os.read(r, 64)))
+        os.close(r)
+        os.waitpid(pid, 0)
+    return p10(took)
+def fork_and_reap(zygote):
+    took = []
+    for _ in range(N):
+        start = time.perf_counter()
+        pid = zygote.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        took.append(time.perf_counter() - start)
+    return p10(took)
+supervisor = server.Supervisor(None, job_uid, None)
+reset = []
+for _ in range(N):
+    start = time.perf_counter()
+    supervisor._reset()
+    reset.append(time.perf_counter() - start)
+plain = server.Zygote(job_uid, syscall_filter=False)
+filtered = server.Zygote(job_uid, syscall_filter=True)
+drop = in_children(plain, server.Zygote._drop_privileges)
+print(f"reset after a job (kill(-1) as the job user, empty /tmp and /dev/shm): {p10(reset):.1f} us")
+print(f"job child drops privileges (OOM score, gid, uid, dumpable): {drop:.1f} us; "
+      f"with the syscall filter (process backend): "
+      f"{in_children(filtered, server.Zygote._drop_privileges):.1f} us")
+print(f"for scale, fork and reap a job child from the zygote: {fork_and_reap(plain):.1f} us")
+"""
+
+
+def hardening_cost(image: str, jobs: int = 2000) -> str:
+    """The per-job cost of the hardening steps, measured in a worker-like container."""
+    from rstar_sandbox.pool import docker_client
+    from rstar_sandbox.workers import CONTAINER_SERVER, SERVER_FILE, locked_down
+
+    output = docker_client().containers.run(
+        image,
+        command=["python3", "-I", "-c", HARDENING_STEPS, str(jobs)],
+        remove=True,
+        **locked_down(tmpfs_mb=64),
+        environment={"OPENBLAS_NUM_THREADS": "1"},
+        volumes={str(SERVER_FILE): {"bind": CONTAINER_SERVER, "mode": "ro"}},
+    )
+    return output.decode()

@@ -58,6 +58,66 @@ def docker_available() -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a backend needs to start workers; not every backend uses every field."""
+
+    image: str | None
+    preload: tuple[str, ...]
+    memory_mb: int  # per worker (a container's memory cgroup)
+    pids: int
+    cpus: float
+    tmpfs_mb: int
+    start_timeout_s: float
+
+
+def _docker_workers(settings: WorkerSettings) -> Callable[[int], Worker]:
+    from rstar_sandbox.image import default_image, require_image
+    from rstar_sandbox.workers import remove_orphaned_containers
+
+    client = docker_client()
+    image = settings.image or default_image()
+    require_image(client, image)
+    remove_orphaned_containers(client)
+    return lambda i: DockerWorker(
+        client,
+        image,
+        i,
+        preload=settings.preload,
+        memory_mb=settings.memory_mb,
+        pids=settings.pids,
+        cpus=settings.cpus,
+        tmpfs_mb=settings.tmpfs_mb,
+        start_timeout_s=settings.start_timeout_s,
+    )
+
+
+def _process_workers(settings: WorkerSettings) -> Callable[[int], Worker]:
+    return lambda i: ProcessWorker(
+        i,
+        preload=settings.preload,
+        tmpfs_mb=settings.tmpfs_mb,
+        start_timeout_s=settings.start_timeout_s,
+    )
+
+
+# Backend name -> from the pool's settings, the function that starts worker i. A worker
+# is anything with `execute(request, timeout_s) -> reply`, `kill()` and `close()` (see
+# workers.Worker); a new backend registers here and the pool drives it like the others.
+BACKENDS: dict[str, Callable[[WorkerSettings], Callable[[int], Worker]]] = {
+    "docker": _docker_workers,
+    "process": _process_workers,
+}
+
+
+def register_backend(
+    name: str, start_workers: Callable[[WorkerSettings], Callable[[int], Worker]]
+) -> None:
+    if name == "auto":
+        raise ValueError("'auto' picks a backend; it cannot be registered")
+    BACKENDS[name] = start_workers
+
+
 def _auto_backend(image: str | None) -> str:
     """Docker when an engine answers and the image is there, else the process backend."""
     if not docker_available():
@@ -109,10 +169,9 @@ class Sandbox:
     ):
         if backend == "auto":
             backend = _auto_backend(image)
-        if backend not in ("docker", "process"):
-            raise ValueError(
-                f"unknown sandbox backend {backend!r}: use docker, process, http or auto"
-            )
+        if backend not in BACKENDS:
+            names = ", ".join([*BACKENDS, "http", "auto"])
+            raise ValueError(f"unknown sandbox backend {backend!r}: use {names}")
         self.backend = backend
         self.workers = workers or os.cpu_count() or 1
         self.grace_s = grace_s
@@ -122,38 +181,16 @@ class Sandbox:
         self._threads: list[threading.Thread] = []
         self._live: dict[int, Worker] = {}
         self._closed = False
-        self._new_worker = self._worker_factory(
-            image,
-            tuple(preload),
-            container_memory_mb,
-            container_pids,
-            container_cpus,
-            tmpfs_mb,
-            start_timeout_s,
-        )
-
-    def _worker_factory(
-        self, image, preload, memory_mb, pids, cpus, tmpfs_mb, start_timeout_s
-    ) -> Callable[[int], Worker]:
-        if self.backend == "process":
-            return lambda i: ProcessWorker(i, preload=preload, start_timeout_s=start_timeout_s)
-        from rstar_sandbox.image import default_image, require_image
-        from rstar_sandbox.workers import remove_orphaned_containers
-
-        client = docker_client()
-        image = image or default_image()
-        require_image(client, image)
-        remove_orphaned_containers(client)
-        return lambda i: DockerWorker(
-            client,
-            image,
-            i,
-            preload=preload,
-            memory_mb=memory_mb,
-            pids=pids,
-            cpus=cpus,
-            tmpfs_mb=tmpfs_mb,
-            start_timeout_s=start_timeout_s,
+        self._new_worker = BACKENDS[backend](
+            WorkerSettings(
+                image=image,
+                preload=tuple(preload),
+                memory_mb=container_memory_mb,
+                pids=container_pids,
+                cpus=container_cpus,
+                tmpfs_mb=tmpfs_mb,
+                start_timeout_s=start_timeout_s,
+            )
         )
 
     # -- lifecycle ---------------------------------------------------------------------

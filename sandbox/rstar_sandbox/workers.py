@@ -18,11 +18,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from rstar_sandbox.server import IPC_SYSCTLS, SCRATCH, TMPFS_INODES, WRITABLE
+
 SERVER_FILE = Path(__file__).with_name("server.py")
 CONTAINER_SERVER = "/opt/rstar/server.py"
 CONTAINER_SOCKET_DIR = "/run/rstar"
 OWNER_LABEL = "rstar-sandbox.owner"
 BASE_UID = 10001
+NOBODY = 65534
 log = logging.getLogger("rstar_sandbox")
 
 
@@ -65,10 +68,28 @@ class Worker:
                     pass
 
 
+def locked_down(tmpfs_mb: int) -> dict:
+    """The containers.run options that lock a sandbox container down."""
+    tmpfs = f"rw,nosuid,nodev,noexec,size={tmpfs_mb}m,nr_inodes={TMPFS_INODES},mode=1777"
+    return {
+        "network_mode": "none",
+        "read_only": True,
+        "tmpfs": dict.fromkeys(WRITABLE, tmpfs),
+        "sysctls": IPC_SYSCTLS,
+        "user": "0:0",
+        "cap_drop": ["ALL"],
+        "cap_add": ["SETUID", "SETGID"],
+        "security_opt": ["no-new-privileges"],
+    }
+
+
 class DockerWorker(Worker):
-    """A locked-down container: no network, read-only root, a size-capped tmpfs for /tmp,
-    a non-root user of its own, no capabilities, no-new-privileges, and caps on pids,
-    memory and CPU. The server file is mounted read-only, so the image never goes stale."""
+    """A locked-down container: no network, read-only root, size- and inode-capped
+    tmpfs mounts for /tmp and /dev/shm (the only places a job can write), SysV IPC and
+    POSIX message queues off, no-new-privileges, caps on pids, memory and CPU, and
+    Docker's default seccomp profile. The server runs as root with only the two
+    capabilities it needs to start each job as this worker's own non-root user. The
+    server file is mounted read-only, so the image never goes stale."""
 
     def __init__(
         self,
@@ -85,14 +106,14 @@ class DockerWorker(Worker):
     ):
         self.name = f"docker-worker-{index}"
         self._socket_dir = tempfile.mkdtemp(prefix="rstar-sandbox-")
-        os.chmod(self._socket_dir, 0o777)  # the container's user creates the socket here
-        uid = BASE_UID + index  # per-container uid: RLIMIT_NPROC counts per user
+        os.chmod(self._socket_dir, 0o777)  # the container's root creates the socket here
         command = [
             "python3",
             "-I",
             CONTAINER_SERVER,
-            "--scratch",
-            "/tmp",
+            # A uid per worker: RLIMIT_NPROC counts per user.
+            "--job-uid",
+            str(BASE_UID + index),
             "--listen",
             f"{CONTAINER_SOCKET_DIR}/server.sock",
             "--preload",
@@ -103,17 +124,12 @@ class DockerWorker(Worker):
                 image,
                 command=command,
                 detach=True,
-                network_mode="none",
-                read_only=True,
-                tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={tmpfs_mb}m,mode=1777"},
-                user=f"{uid}:{uid}",
-                cap_drop=["ALL"],
-                security_opt=["no-new-privileges"],
+                **locked_down(tmpfs_mb),
                 pids_limit=pids,
                 mem_limit=f"{memory_mb}m",
                 memswap_limit=f"{memory_mb}m",
                 nano_cpus=int(cpus * 1e9),
-                working_dir="/tmp",
+                working_dir=SCRATCH,
                 volumes={
                     str(SERVER_FILE): {"bind": CONTAINER_SERVER, "mode": "ro"},
                     self._socket_dir: {"bind": CONTAINER_SOCKET_DIR, "mode": "rw"},
@@ -121,6 +137,9 @@ class DockerWorker(Worker):
                 labels={OWNER_LABEL: owner_label()},
             )
             self._connect(self._wait_for_socket(start_timeout_s))
+            # Connected: nothing in the container may write to this host directory again.
+            os.unlink(os.path.join(self._socket_dir, "server.sock"))
+            os.chmod(self._socket_dir, 0o555)
         except BaseException:
             self.close()
             raise
@@ -168,8 +187,7 @@ def default_interpreter() -> str:
 
 
 def _namespace_command(python: str, server_args: list[str]) -> list[str]:
-    """Fresh PID, network, IPC, UTS and mount namespaces, with a private tmpfs on /tmp."""
-    script = 'mount -t tmpfs -o size=64m,mode=1777 tmpfs /tmp && exec "$@"'
+    """Fresh PID, network, IPC, UTS and mount namespaces, the server as their PID 1."""
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     return [
         "unshare",
@@ -184,32 +202,30 @@ def _namespace_command(python: str, server_args: list[str]) -> list[str]:
         "--propagation",
         "private",
         "--",
-        "sh",
-        "-c",
-        script,
-        "sh",
         python,
         "-I",
         # The source, not its path: the path may lie under /tmp, which the new tmpfs hides.
         "-c",
         SERVER_FILE.read_text(),
-        "--scratch",
-        "/tmp",
         *server_args,
     ]
 
 
 class ProcessWorker(Worker):
-    """The same server as a host process in fresh namespaces (no network, own PID
-    namespace, private /tmp) with the same rlimits. Weaker than a container: the host's
-    files are visible (read-only to the job only through its uid), and there is no
-    memory or pids cgroup."""
+    """The same server as a host process in fresh namespaces: no network, its own PID
+    namespace, the host's file system read-only, one size-capped tmpfs of its own for
+    /tmp and /dev/shm paid from each job's memory, the same rlimits, and a syscall
+    filter against keyrings and user namespaces. Started as root, jobs run as nobody;
+    otherwise as the caller inside a user namespace, with every capability dropped.
+    Weaker than a container: the host's files are readable where "others" may read
+    them, and there is no memory or pids cgroup."""
 
     def __init__(
         self,
         index: int,
         *,
         preload: tuple[str, ...],
+        tmpfs_mb: int,
         start_timeout_s: float,
         python: str | None = None,
     ):
@@ -223,13 +239,15 @@ class ProcessWorker(Worker):
         if shutil.which("unshare") is None:
             raise RuntimeError("the process backend needs `unshare` (util-linux)")
         self.name = f"process-worker-{index}"
+        server_args = ["--own-mounts", str(tmpfs_mb), "--syscall-filter"]
+        if os.geteuid() == 0:
+            server_args += ["--job-uid", str(NOBODY)]
+        server_args += ["--preload", ",".join(preload)]
         host_end, server_end = socket.socketpair()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
         try:
             self.process = subprocess.Popen(
-                _namespace_command(
-                    python or default_interpreter(), ["--preload", ",".join(preload)]
-                ),
+                _namespace_command(python or default_interpreter(), server_args),
                 stdin=server_end,
                 stdout=server_end,
                 stderr=subprocess.PIPE,

@@ -36,11 +36,14 @@ def test_containers_are_locked_down_and_removed_after_an_exception():
         assert config["NetworkMode"] == "none"
         assert config["ReadonlyRootfs"] is True
         assert config["CapDrop"] == ["ALL"]
+        assert sorted(config["CapAdd"]) == ["SETGID", "SETUID"]  # to start jobs as their user
         assert "no-new-privileges" in config["SecurityOpt"]
         assert config["PidsLimit"] > 0 and config["Memory"] > 0 and config["NanoCpus"] > 0
-        assert "/tmp" in config["Tmpfs"]
-        assert containers[0].attrs["Config"]["User"].startswith("1000")
-        assert sb.run([Job(code="print('up')")])[0].stdout == "up\n"
+        assert {"/tmp", "/dev/shm"} <= set(config["Tmpfs"])
+        assert config["Sysctls"]["kernel.shmmni"] == "0"
+        [up] = sb.run([Job(code="import os\nprint(os.getuid(), os.getgid(), os.getgroups())")])
+        uid, gid, groups = up.stdout.split(maxsplit=2)
+        assert uid == gid and int(uid) >= 10001 and groups.strip() == "[]"
         raise RuntimeError("user code failed")
     assert _containers_of(os.getpid()) == []
 
