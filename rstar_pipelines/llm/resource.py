@@ -2,12 +2,14 @@
 
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
-RSTAR_LLM_BASE_URL and RSTAR_LLM_API_KEY (openai backend), RSTAR_SPARSE_ATTENTION and
-RSTAR_GATE_CHECKPOINT (SeerAttention-R sparse decoding, transformers and vllm backends).
+RSTAR_LLM_BASE_URL and RSTAR_LLM_API_KEY (openai backend), RSTAR_LLM_QUANTIZATION (transformers
+backend), RSTAR_SPARSE_ATTENTION and RSTAR_GATE_CHECKPOINT (SeerAttention-R sparse decoding,
+transformers and vllm backends).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
-Sparse settings are part of `model_id`, so completions cached from dense decoding are not reused
-for sparse decoding (or across budgets or gates).
+Quantization and sparse settings are part of `model_id`, so completions cached from float32
+weights are not reused for int8 ones, nor those of dense decoding for sparse decoding (or across
+budgets or gates).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import dagster as dg
 from pydantic import PrivateAttr
 
 from . import LLM, load_llm
+from .quantization import default_device, resolve_quantization
+from .quantization import tag as quantization_tag
 from .sparse import SeerSettings
 
 
@@ -33,6 +37,9 @@ class LLMResource(dg.ConfigurableResource):
     max_concurrency: int | None = None
     device: str | None = None
     dtype: str | None = None
+    # Weights of the transformers backend: "none" or "int8" (linear layers as int8, on the CPU);
+    # unset: int8 for the embedded model on a CPU, none otherwise.
+    quantization: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
     # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.
     sparse_attention: str | None = None
@@ -53,7 +60,9 @@ class LLMResource(dg.ConfigurableResource):
         """ "backend:model" for `model` as get_llm would resolve it, without loading it."""
         backend, resolved = self._resolve(model)
         seer = self._seer(backend)
-        return f"{backend}:{resolved or 'server-default'}" + (seer.tag if seer else "")
+        quantization = self._quantization(backend, resolved)
+        tags = (quantization_tag(quantization) if quantization else "") + (seer.tag if seer else "")
+        return f"{backend}:{resolved or 'server-default'}{tags}"
 
     def model_name(self, model: str | None = None) -> str | None:
         """The model `model` resolves to (a role's model, else the resource's default)."""
@@ -64,7 +73,7 @@ class LLMResource(dg.ConfigurableResource):
         key = self._resolve(model)
         backend, model = key
         if key not in self._clients:
-            self._clients[key] = load_llm(backend, model, **self._options(backend))
+            self._clients[key] = load_llm(backend, model, **self._options(backend, model))
         return self._clients[key]
 
     def _seer(self, backend: str) -> SeerSettings | None:
@@ -82,10 +91,29 @@ class LLMResource(dg.ConfigurableResource):
             )
         return seer
 
-    def _options(self, backend: str) -> dict[str, Any]:
+    def _quantization(self, backend: str, model: str | None) -> str | None:
+        """The transformers backend's quantization for `model` (env fallback and default
+        included); None for the other backends, which refuse the setting."""
+        setting = self.quantization or os.environ.get("RSTAR_LLM_QUANTIZATION") or None
+        if backend != "transformers":
+            if setting not in (None, "none"):
+                raise ValueError(
+                    f"quantization={setting!r} is a setting of the transformers backend; the "
+                    f"{backend} backend's server or engine chooses its own weights"
+                )
+            return None
+        return resolve_quantization(setting, model, default_device(self.device))
+
+    def _options(self, backend: str, model: str | None) -> dict[str, Any]:
         seer = self._seer(backend)
+        quantization = self._quantization(backend, model)
         if backend == "transformers":
-            options = {"batch_size": self.batch_size, "device": self.device, "dtype": self.dtype}
+            options = {
+                "batch_size": self.batch_size,
+                "device": self.device,
+                "dtype": self.dtype,
+                "quantization": quantization,
+            }
         elif backend == "openai":
             options = {
                 "base_url": self.base_url or os.environ.get("RSTAR_LLM_BASE_URL"),

@@ -28,7 +28,7 @@ PROMPTS = [
 
 def test_is_an_llm_and_loads_once(embedded_llm):
     assert isinstance(embedded_llm, LLM)
-    assert embedded_llm.name == "transformers:embedded"
+    assert embedded_llm.name == "transformers:embedded+int8"
     started = time.monotonic()
     again = load_llm("transformers")
     assert time.monotonic() - started < 1.0
