@@ -37,7 +37,8 @@ ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 @torch.inference_mode()
@@ -53,7 +54,9 @@ def teacher_forced(fp32: TransformersLLM, int8: TransformersLLM, prompt_ids, com
 
 
 def same_answer(a: str | None, b: str | None) -> bool:
-    return a is None and b is None or (a is not None and b is not None and equivalent(a, b))
+    if a is None or b is None:
+        return a is None and b is None
+    return equivalent(a, b)
 
 
 def main() -> None:
@@ -76,8 +79,10 @@ def main() -> None:
         fp32, int8 = outputs["none"][i], outputs["int8"][i]
         reference = tokenizer(fp32.text, add_special_tokens=False)["input_ids"]
         quantized = tokenizer(int8.text, add_special_tokens=False)["input_ids"]
-        agree, kl = teacher_forced(llms["none"], llms["int8"], llms["none"]._encode(i, chat), reference)
+        prompt_ids = llms["none"]._encode(i, chat)
+        agree, kl = teacher_forced(llms["none"], llms["int8"], prompt_ids, reference)
         answers = extract_boxed(fp32.text), extract_boxed(int8.text)
+        correct = [a is not None and equivalent(a, problem["answer"]) for a in answers]
         rows.append(
             {
                 "identical": fp32.text == int8.text,
@@ -85,8 +90,8 @@ def main() -> None:
                 "top1": agree,
                 "kl": kl,
                 "same_answer": same_answer(*answers),
-                "fp32_correct": answers[0] is not None and equivalent(answers[0], problem["answer"]),
-                "int8_correct": answers[1] is not None and equivalent(answers[1], problem["answer"]),
+                "fp32_correct": correct[0],
+                "int8_correct": correct[1],
                 "fp32_boxed": answers[0] is not None,
                 "int8_boxed": answers[1] is not None,
             }

@@ -1,30 +1,33 @@
 """Quantized weights for the transformers backend on a CPU (docs/benchmarks.md, "Embedded
-generation").
+model generation").
 
 - "none": the weights as loaded (float32 for the embedded GGUF model, which transformers
   dequantizes on load).
-- "int8": every linear layer, the LM head included, as int8 weights (one scale per output row)
-  with int8 activations quantized on the fly; the matrix products run in FBGEMM through torch's
-  dynamic quantization (`torch.ao.nn.quantized.dynamic.Linear`). Decoding is memory-bound on a
-  CPU, so a quarter of the bytes per step is most of the gain.
+- "int8": every linear layer, the LM head included, keeps its weight as int8 with one scale per
+  output row (symmetric, absmax / 127) and runs through torch's weight-only int8 matmul,
+  `aten._weight_int8pack_mm` (the kernel Inductor lowers weight-only int8 linears to), on
+  bfloat16 activations with a float32 result. Decoding is memory-bound on a CPU: a quarter of the
+  weight bytes per step is most of the gain. Activations are not quantized, so a row's result
+  does not depend on the other rows of its batch.
 
-Why torch's own dynamic quantization and not torchao: on this x86 CPU (torch 2.13, torchao 0.18
-from PyPI) torchao's eager CPU paths are slower than float32 (its int8 weight-only linear
-dequantizes the whole weight every call, the int4 and int8 CPU kernels it calls are 10-100x
-slower than float32 at 16 rows, and its DA8W4 CPU kernel is not in the PyPI wheel); torch's
-FBGEMM path is 3-10x faster than float32 per layer. pytorch/ao#4365 reports the same. torch marks
-`torch.ao.quantization` deprecated, so `quantize` fails with a clear error if it is gone.
+Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
+- torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the
+  fastest, but it quantizes activations with one scale per call: the embedded model's massive
+  activations (inputs to down_proj reach about 3300) and left padding set that scale, and
+  teacher-forced KL against float32 was 1.5 per token (top-1 agreement 0.57); one scale per row
+  still gave 0.20 (0.83). Weight-only int8 gives 0.006 (0.97).
+- torchao's eager CPU paths were slower than float32 here: its int8 weight-only linear
+  dequantizes the whole weight on every call, its dynamic int8 path likewise (pytorch/ao#4365),
+  its int4 CPU path runs a kernel 10-100x slower than float32 at 16 rows, and its DA8W4 kernel
+  is not in the PyPI wheel.
+- `_weight_int8pack_mm` is fast only with bfloat16 (or CUDA) activations: its float32 and
+  float16 CPU paths are unvectorized, hence the cast.
 
-What changes with "int8": activations are quantized per call with one scale for the whole input,
-so a row's logits depend slightly on the other rows in its batch; completions stay reproducible
-for the same prompts, params and batch_size. Quality against float32 is in docs/benchmarks.md.
-
-Settings only need no torch: the Dagster resource validates and names them without loading it.
+Settings need no torch: the Dagster resource validates and names them without loading it.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 QUANTIZATIONS = ("none", "int8")
@@ -50,8 +53,8 @@ def resolve_quantization(quantization: str | None, model: str, device: str) -> s
         )
     if quantization != "none" and device != "cpu":
         raise ValueError(
-            f"quantization={quantization!r} runs on the CPU (FBGEMM); {model} is on {device}: "
-            "use quantization='none' there (or the vllm backend's own quantization)"
+            f"quantization={quantization!r} is for the CPU; {model} is on {device}: use "
+            "quantization='none' there (or a serving engine's own quantization)"
         )
     return quantization
 
@@ -62,29 +65,25 @@ def tag(quantization: str) -> str:
 
 
 def quantize(model: Any, quantization: str) -> Any:
-    """`model` with its linear layers quantized in place (and returned); "none" leaves it as is."""
+    """`model` with its linear layers replaced in place (and returned); "none" leaves it as is."""
     if quantization == "none":
         return model
     import torch
 
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise RuntimeError(
+            f"quantization={quantization!r} needs torch.ops.aten._weight_int8pack_mm, which "
+            f"torch {torch.__version__} lacks; use quantization='none'"
+        )
     if model.dtype != torch.float32:
         raise ValueError(
-            f"quantization={quantization!r} needs a float32 model (FBGEMM takes float32 "
-            f"activations); this one is {model.dtype}: load it with dtype='float32'"
+            f"quantization={quantization!r} takes a float32 model, this one is {model.dtype}: "
+            "load it with dtype='float32'"
         )
-    try:
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-    except ImportError as err:
-        raise RuntimeError(
-            f"quantization={quantization!r} needs torch.ao.quantization (dynamic int8 linear "
-            f"layers), which this torch {torch.__version__} no longer has; use "
-            "quantization='none'"
-        ) from err
-    # torch warns on every call that torch.ao.quantization is deprecated in favour of torchao;
-    # see the module docstring for why this path is kept.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-        return quantize_dynamic(
-            model, {torch.nn.Linear: per_channel_dynamic_qconfig}, dtype=torch.qint8, inplace=True
-        )
+    from .int8_linear import Int8Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+    return model
