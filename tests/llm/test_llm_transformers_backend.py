@@ -210,8 +210,11 @@ def test_sampling_logits_equal_a_plain_forward_per_prompt(embedded_fp32_llm, mon
             torch.testing.assert_close(seen["logits"][step][row], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_near_zero_temperature_samples_equal_greedy(embedded_llm):
+def test_near_zero_temperature_samples_equal_greedy(embedded_fp32_llm):
     # A left-padded batch of different lengths, with stop strings that end some completions.
+    # float32 weights: the shared prefill computes the prompt in two parts, and with int8 weights
+    # the bfloat16 activations can round that differently enough to flip a near tie.
+    embedded_llm = embedded_fp32_llm
     greedy = GREEDY.model_copy(update={"max_tokens": 16, "stop": (".", "\n\n")})
     expected = embedded_llm.generate(MIXED, greedy)
     sampled = embedded_llm.generate(
