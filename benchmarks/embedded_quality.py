@@ -23,16 +23,17 @@ import argparse
 import json
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
+from rstar_kernels.quality import kl_and_agreement
 from rstar_pipelines.llm import SamplingParams
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 from rstar_sandbox.bench import machine
+from tests.conftest import SHARED_DATA
 
-MATH500 = Path(__file__).resolve().parents[2] / "shared" / "data" / "math500_test.json"
+MATH500 = SHARED_DATA / "math500_test.json"  # read where it lives, never copied
 ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
 
 
@@ -43,14 +44,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 @torch.inference_mode()
 def teacher_forced(fp32: TransformersLLM, int8: TransformersLLM, prompt_ids, completion_ids):
-    """(top-1 agreement, mean KL) over the completion's positions."""
+    """(mean KL, top-1 agreement) over the completion's positions, one forward of each model."""
     ids = torch.tensor([prompt_ids + completion_ids])
     span = slice(len(prompt_ids) - 1, ids.shape[1] - 1)
-    reference = fp32._model(input_ids=ids).logits[0, span].log_softmax(-1)
-    quantized = int8._model(input_ids=ids).logits[0, span].log_softmax(-1)
-    agree = (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item()
-    kl = (reference.exp() * (reference - quantized)).sum(-1).mean().item()
-    return agree, kl
+    return kl_and_agreement(
+        fp32._model(input_ids=ids).logits[0, span], int8._model(input_ids=ids).logits[0, span]
+    )
 
 
 def same_answer(a: str | None, b: str | None) -> bool:
@@ -80,7 +79,7 @@ def main() -> None:
         reference = tokenizer(fp32.text, add_special_tokens=False)["input_ids"]
         quantized = tokenizer(int8.text, add_special_tokens=False)["input_ids"]
         prompt_ids = llms["none"]._encode(i, chat)
-        agree, kl = teacher_forced(llms["none"], llms["int8"], prompt_ids, reference)
+        kl, agree = teacher_forced(llms["none"], llms["int8"], prompt_ids, reference)
         answers = extract_boxed(fp32.text), extract_boxed(int8.text)
         correct = [a is not None and equivalent(a, problem["answer"]) for a in answers]
         rows.append(

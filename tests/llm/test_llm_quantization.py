@@ -83,7 +83,7 @@ def test_the_backend_names_and_loads_each_scheme_apart(tiny_base):
 
 
 def test_int8_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_path):
-    cache = ItemCache(tmp_path / "completions.sqlite")
+    cache = ItemCache(tmp_path / "completions.sqlite", namespace="Generate@1")
     sampling = SamplingParams(temperature=0, max_tokens=6)
     names = []
     for quantization in ("int8", "none", "int8", "none"):
