@@ -36,7 +36,8 @@ __all__ = [
 def load_llm(backend: str = "transformers", model: str | None = None, **options: Any) -> LLM:
     """Build an LLM.
 
-    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype, and for
+    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype,
+      quantization ("none" or "int8"; default int8 for the embedded model on a CPU), and for
       SeerAttention-R sparse decoding sparse_attention="seer", gate_checkpoint (a SeerGates.save
       directory), token_budget (default 4096) or sparse_threshold, sparse_backend ("torch",
       "triton", "tilelang"; default "triton" on CUDA, else "torch").

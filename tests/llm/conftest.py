@@ -20,8 +20,15 @@ SERVER_READY_TIMEOUT_S = 180
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    """The embedded SmolLM2 model in process; loaded once (about 20 s), then cached."""
+    """The embedded SmolLM2 model in process, as it runs by default on a CPU (int8 weights);
+    loaded once (the first GGUF conversion takes 20-60 s, then about a second), then cached."""
     return load_llm("transformers", "embedded", batch_size=4)
+
+
+@pytest.fixture(scope="session")
+def embedded_fp32_llm():
+    """The embedded model with its float32 weights as transformers dequantizes them."""
+    return load_llm("transformers", "embedded", batch_size=4, quantization="none")
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rstar_kernels.gate import GateConfig, SeerGates, capture_pre_rope
 from rstar_kernels.hf import enable_seer_decoding
 from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.llm.int8_linear import Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
 
 BLOCK = 16
@@ -274,6 +275,23 @@ def test_generate_with_a_budget_covering_the_context_equals_dense(tiny):
     # The dense instance is untouched by the sparse one.
     assert dense._model.config._attn_implementation == "sdpa"
     assert dense.generate(PROMPTS, greedy) == before
+
+
+def test_a_covering_budget_equals_dense_on_the_int8_model(tiny):
+    # The gates read the pre-RoPE q and k from the int8 projections, hooked after quantizing.
+    model_dir = tiny[0]
+    dense = load_llm("transformers", model_dir, batch_size=4, device="cpu", quantization="int8")
+    sparse = sparse_llm(tiny, token_budget=4096, sparse_backend="torch", quantization="int8")
+    assert sparse.name.startswith(f"transformers:{model_dir}+int8+seer(budget=4096,gates=")
+    assert isinstance(sparse._model.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert sparse._model.config._attn_implementation == "seer"
+    greedy = SamplingParams(temperature=0, max_tokens=60)
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3)
+    assert sparse.generate(PROMPTS, greedy) == dense.generate(PROMPTS, greedy)
+    assert sparse.generate(PROMPTS, sampled) == dense.generate(PROMPTS, sampled)
+    # Quantization changes the completions: these are not the float32 model's.
+    float32 = load_llm("transformers", model_dir, batch_size=4, device="cpu")
+    assert dense.generate(PROMPTS, greedy) != float32.generate(PROMPTS, greedy)
 
 
 def test_a_small_budget_changes_the_completions(tiny):

@@ -1,0 +1,125 @@
+"""What int8 weights change in the embedded model's output: greedy completions of the int8
+backend against the float32 one on held-out prompts (MATH-500 problems).
+
+    python benchmarks/embedded_quality.py [--problems 40] [--max-tokens 384]
+
+The first `--problems` problems of MATH-500 (../shared/data/math500_test.json), none of which
+the demo trains on, as chats asking for a boxed answer; both backends decode greedily in the
+same batches of 8. Per problem:
+- whether the two completions are identical, and how far they agree token by token before the
+  first difference (as a fraction of the float32 completion);
+- teacher-forced agreement: the float32 completion fed to both models, the share of its
+  positions where the int8 model's top token is the float32 model's, and the mean KL(float32 ‖
+  int8) of the next-token distributions there (a measure that a first difference does not
+  cascade into);
+- answers: the boxed answer of each (rstar_pipelines.math.answers), whether they agree
+  (math-verify equivalence, or both without one), and each against the reference.
+Prints Markdown for docs/benchmarks.md. Not a test: figures depend on the sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from rstar_kernels.quality import kl_and_agreement
+from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.math.answers import equivalent, extract_boxed
+from rstar_sandbox.bench import machine
+from tests.conftest import SHARED_DATA
+
+MATH500 = SHARED_DATA / "math500_test.json"  # read where it lives, never copied
+ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
+
+
+@torch.inference_mode()
+def teacher_forced(fp32: TransformersLLM, int8: TransformersLLM, prompt_ids, completion_ids):
+    """(mean KL, top-1 agreement) over the completion's positions, one forward of each model."""
+    ids = torch.tensor([prompt_ids + completion_ids])
+    span = slice(len(prompt_ids) - 1, ids.shape[1] - 1)
+    return kl_and_agreement(
+        fp32._model(input_ids=ids).logits[0, span], int8._model(input_ids=ids).logits[0, span]
+    )
+
+
+def same_answer(a: str | None, b: str | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return equivalent(a, b)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--problems", type=int, default=40)
+    parser.add_argument("--max-tokens", type=int, default=384)
+    args = parser.parse_args()
+    problems = json.loads(MATH500.read_text())[: args.problems]
+    chats = [[{"role": "user", "content": ASK.format(p["question"])}] for p in problems]
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    llms = {q: TransformersLLM("embedded", batch_size=8, quantization=q) for q in ("none", "int8")}
+    outputs, seconds = {}, {}
+    for quantization, llm in llms.items():
+        start = time.perf_counter()
+        outputs[quantization] = [samples[0] for samples in llm.generate(chats, params)]
+        seconds[quantization] = time.perf_counter() - start
+    tokenizer = llms["none"]._tokenizer
+    rows = []
+    for i, (chat, problem) in enumerate(zip(chats, problems, strict=True)):
+        fp32, int8 = outputs["none"][i], outputs["int8"][i]
+        reference = tokenizer(fp32.text, add_special_tokens=False)["input_ids"]
+        quantized = tokenizer(int8.text, add_special_tokens=False)["input_ids"]
+        prompt_ids = llms["none"]._encode(i, chat)
+        kl, agree = teacher_forced(llms["none"], llms["int8"], prompt_ids, reference)
+        answers = extract_boxed(fp32.text), extract_boxed(int8.text)
+        correct = [a is not None and equivalent(a, problem["answer"]) for a in answers]
+        rows.append(
+            {
+                "identical": fp32.text == int8.text,
+                "prefix": common_prefix(reference, quantized) / max(len(reference), 1),
+                "top1": agree,
+                "kl": kl,
+                "same_answer": same_answer(*answers),
+                "fp32_correct": correct[0],
+                "int8_correct": correct[1],
+                "fp32_boxed": answers[0] is not None,
+                "int8_boxed": answers[1] is not None,
+            }
+        )
+    tokens = {q: sum(c.completion_tokens for c in out) for q, out in outputs.items()}
+
+    def share(key: str) -> str:
+        return f"{sum(r[key] for r in rows)}/{len(rows)}"
+
+    def mean(key: str) -> float:
+        return statistics.mean(r[key] for r in rows)
+
+    print(f"machine: {machine()}, torch {torch.__version__}")
+    print(f"MATH-500 problems 0-{len(rows) - 1}, greedy, max_tokens {args.max_tokens}")
+    print(
+        "generation: "
+        + ", ".join(f"{q} {tokens[q]} tokens in {seconds[q]:.0f} s" for q in ("none", "int8"))
+        + "\n"
+    )
+    print("| measure | value |")
+    print("| --- | --- |")
+    print(f"| identical completions | {share('identical')} |")
+    print(f"| tokens agreeing before the first difference (mean share) | {mean('prefix'):.3f} |")
+    print(f"| teacher-forced top-1 agreement (mean) | {mean('top1'):.4f} |")
+    print(f"| teacher-forced KL(float32 ‖ int8) per token (mean) | {mean('kl'):.4f} |")
+    print(f"| same boxed answer (or both none) | {share('same_answer')} |")
+    print(f"| boxed answers, float32 / int8 | {share('fp32_boxed')} / {share('int8_boxed')} |")
+    print(f"| correct, float32 / int8 | {share('fp32_correct')} / {share('int8_correct')} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Quantized weights for the transformers backend on a CPU (docs/benchmarks.md, "Embedded
+model generation").
+
+- "none": the weights as loaded (float32 for the embedded GGUF model, which transformers
+  dequantizes on load).
+- "int8": every linear layer, the LM head included, keeps its weight as int8 with one scale per
+  output row (symmetric, absmax / 127) and runs through torch's weight-only int8 matmul,
+  `aten._weight_int8pack_mm` (the kernel Inductor lowers weight-only int8 linears to), on
+  bfloat16 activations with a float32 result. Decoding is memory-bound on a CPU: a quarter of the
+  weight bytes per step is most of the gain. Activations are not quantized, so a row's result
+  does not depend on the other rows of its batch.
+
+Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
+- torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the
+  fastest, but it quantizes activations with one scale per call: the embedded model's massive
+  activations (inputs to down_proj reach about 3300) and left padding set that scale, and
+  teacher-forced KL against float32 was 1.5 per token (top-1 agreement 0.57); one scale per row
+  still gave 0.20 (0.83). Weight-only int8 gives 0.006 (0.97).
+- torchao's eager CPU paths were slower than float32 here: its int8 weight-only linear
+  dequantizes the whole weight on every call, its dynamic int8 path likewise (pytorch/ao#4365),
+  its int4 CPU path runs a kernel 10-100x slower than float32 at 16 rows, and its DA8W4 kernel
+  is not in the PyPI wheel.
+- `_weight_int8pack_mm` is fast only with bfloat16 (or CUDA) activations: its float32 and
+  float16 CPU paths are unvectorized, hence the cast.
+
+Settings need no torch: the Dagster resource validates and names them without loading it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+QUANTIZATIONS = ("none", "int8")
+
+
+def default_device(device: str | None) -> str:
+    """The device a model loads on: the one given, else CUDA where there is one, else the CPU."""
+    if device is not None:
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
+    """The scheme a model loads with: the one given, else "int8" for the embedded model on a
+    CPU and "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
+    if quantization is None:
+        return "int8" if model == "embedded" and device == "cpu" else "none"
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(
+            f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
+        )
+    if quantization != "none" and device != "cpu":
+        raise ValueError(
+            f"quantization={quantization!r} is for the CPU; {model} is on {device}: use "
+            "quantization='none' there (or a serving engine's own quantization)"
+        )
+    return quantization
+
+
+def tag(quantization: str) -> str:
+    """What sets a scheme's completions apart in a model id: "" for none, "+int8" for int8."""
+    return "" if quantization == "none" else f"+{quantization}"
+
+
+def quantize(model: Any, quantization: str) -> Any:
+    """`model` with its linear layers replaced in place (and returned); "none" leaves it as is."""
+    if quantization == "none":
+        return model
+    import torch
+
+    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+        raise RuntimeError(
+            f"quantization={quantization!r} needs torch.ops.aten._weight_int8pack_mm, which "
+            f"torch {torch.__version__} lacks; use quantization='none'"
+        )
+    if model.dtype != torch.float32:
+        raise ValueError(
+            f"quantization={quantization!r} takes a float32 model, this one is {model.dtype}: "
+            "load it with dtype='float32'"
+        )
+    from .int8_linear import Int8Linear
+
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, Int8Linear(child))
+    return model

@@ -1,0 +1,112 @@
+"""int8 weights (`quantization="int8"`): the settings, the layer, the model, the cache keys."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.llm.int8_linear import Int8Linear
+from rstar_pipelines.llm.quantization import quantize, resolve_quantization
+from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.pipeline.generation import StageLLM
+from rstar_pipelines.pipeline.item_cache import ItemCache
+
+PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
+
+
+def test_int8_by_default_only_for_the_embedded_model_on_a_cpu():
+    assert resolve_quantization(None, "embedded", "cpu") == "int8"
+    assert resolve_quantization(None, "embedded", "cuda") == "none"
+    assert resolve_quantization(None, "/models/qwen", "cpu") == "none"
+    assert resolve_quantization("none", "embedded", "cpu") == "none"
+    assert resolve_quantization("int8", "/models/qwen", "cpu") == "int8"
+    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int4'"):
+        resolve_quantization("int4", "embedded", "cpu")
+    with pytest.raises(ValueError, match="'int8' is for the CPU; embedded is on cuda"):
+        resolve_quantization("int8", "embedded", "cuda")
+
+
+def test_int8_linear_keeps_each_row_on_its_own_grid():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-2, 1, 48)[:, None])  # rows of very different sizes
+    layer = Int8Linear(linear)
+    scale = layer.scale.float()[:, None]
+    dequantized = layer.weight_int8.float() * scale
+    assert ((dequantized - linear.weight).abs() <= scale / 2 + 1e-6).all()
+    assert (layer.weight_int8.abs().amax(dim=1) >= 126).all()  # every row uses its range
+    x = torch.randn(5, 3, 64)
+    want = F.linear(x.bfloat16().float(), dequantized, linear.bias)
+    got = layer(x)
+    assert got.shape == (5, 3, 48) and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    # Weight-only: a row's result does not depend on the rest of its batch.
+    assert torch.equal(layer(x[2:3]), got[2:3])
+
+
+def test_a_quantized_model_stays_close_to_float32(tiny_base):
+    model = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits.log_softmax(-1)
+        quantized = quantize(model, "int8")
+        got = quantized(input_ids=ids).logits.log_softmax(-1)
+    assert quantized is model
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    assert isinstance(model.lm_head, Int8Linear)
+    difference = (got - reference).abs().max().item()
+    assert 0 < difference < 0.05, difference  # quantized, and close (log-probabilities)
+    assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
+
+
+def test_only_float32_models_are_quantized(tiny_base):
+    model = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"takes a float32 model, this one is torch.bfloat16"):
+        quantize(model, "int8")
+
+
+def test_the_backend_names_and_loads_each_scheme_apart(tiny_base):
+    dense = load_llm("transformers", tiny_base, device="cpu")
+    int8 = load_llm("transformers", tiny_base, device="cpu", quantization="int8")
+    assert dense.name == f"transformers:{tiny_base}"
+    assert int8.name == f"transformers:{tiny_base}+int8"
+    assert int8._model is not dense._model
+    assert isinstance(int8._model.lm_head, Int8Linear)
+    assert isinstance(dense._model.lm_head, torch.nn.Linear)
+
+
+def test_int8_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_path):
+    cache = ItemCache(tmp_path / "completions.sqlite", namespace="Generate@1")
+    sampling = SamplingParams(temperature=0, max_tokens=6)
+    names = []
+    for quantization in ("int8", "none", "int8", "none"):
+        resource = LLMResource(model=tiny_base, device="cpu", quantization=quantization)
+        context = SimpleNamespace(resource=lambda _, resource=resource: resource)
+        stage_llm = StageLLM(SimpleNamespace(model=None), context)
+        stage_llm.complete(PROMPTS, sampling, cache, chunk=len(PROMPTS))
+        names.append(stage_llm.name)
+    # Each scheme computed its own completions once; the repeats found them.
+    assert (cache.misses, cache.hits) == (2 * len(PROMPTS), 2 * len(PROMPTS))
+    assert names[:2] == [f"transformers:{tiny_base}+int8", f"transformers:{tiny_base}"]
+
+
+def test_the_resource_defaults_environment_and_refusals(monkeypatch):
+    monkeypatch.delenv("RSTAR_LLM_QUANTIZATION", raising=False)
+    monkeypatch.delenv("RSTAR_LLM_BACKEND", raising=False)
+    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int8"
+    assert LLMResource(device="cpu", quantization="none").model_id() == "transformers:embedded"
+    monkeypatch.setenv("RSTAR_LLM_QUANTIZATION", "none")
+    assert LLMResource(device="cpu").model_id() == "transformers:embedded"
+    assert LLMResource(device="cpu", quantization="int8").model_id() == "transformers:embedded+int8"
+    monkeypatch.delenv("RSTAR_LLM_QUANTIZATION")
+    server = {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
+    assert LLMResource(**server).model_id() == "openai:m"
+    with pytest.raises(ValueError, match="quantization='int8' is a setting of the transformers"):
+        LLMResource(**server, quantization="int8").get_llm()
