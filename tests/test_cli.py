@@ -162,7 +162,8 @@ def _check_seer_attention(data_dir: Path) -> None:
 
     texts = query("select count(*) n from gate_distill_data").column("n")[0].as_py()
     gate = query("select * from attn_gate_checkpoint").to_pylist()[0]
-    assert texts >= 10 and Path(gate["path"]).is_relative_to(data_dir)
+    # Training side only: the oracle-solved code seeds and verified solutions outside the split.
+    assert texts >= 5 and Path(gate["path"]).is_relative_to(data_dir)
     assert gate["heldout_recall_after"] > gate["heldout_recall_before"]
     assert SeerGates.load(gate["path"]).config.num_layers == 30
 

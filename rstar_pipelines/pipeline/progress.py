@@ -192,6 +192,11 @@ class CountingLLM:
             future.add_done_callback(_count_answered)
         return futures
 
+    @property
+    def wrapped(self) -> Any:
+        """The LLM whose calls this one counts."""
+        return self._llm
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._llm, name)
 

@@ -32,7 +32,7 @@ def test_environment_picks_a_server(monkeypatch, transformers_server):
     monkeypatch.setenv("RSTAR_LLM_BACKEND", "openai")
     monkeypatch.setenv("RSTAR_LLM_BASE_URL", transformers_server)
     with closing(LLMResource(max_concurrency=2).get_llm()) as llm:
-        assert isinstance(llm, OpenAILLM) and llm.max_concurrency == 2
+        assert isinstance(llm.wrapped, OpenAILLM) and llm.max_concurrency == 2
         [[completion]] = llm.generate(["The capital of France is"], GREEDY)
     assert completion.text.startswith(" Paris")
 
@@ -44,7 +44,7 @@ def test_fields_win_over_environment_and_roles_get_their_own_model(monkeypatch):
         backend="openai", base_url="http://127.0.0.1:9/v1", api_key="k", model="policy"
     )
     with closing(resource.get_llm()) as policy, closing(resource.get_llm("reward")) as reward:
-        assert isinstance(policy, OpenAILLM) and policy.model == "policy"
+        assert isinstance(policy.wrapped, OpenAILLM) and policy.model == "policy"
         assert reward.model == "reward" and reward is not policy
 
 

@@ -48,8 +48,11 @@ def test_containers_are_locked_down_and_removed_after_an_exception():
     assert _containers_of(os.getpid()) == []
 
 
+# Ctrl-C as a terminal sends it: SIGINT with Python's own handler, even where this test runs
+# in the background of a shell, whose children inherit SIGINT ignored.
 SLEEPING_POOL = (
-    "import time\n"
+    "import signal, time\n"
+    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
     "from rstar_sandbox import Sandbox\n"
     "with Sandbox(backend='docker', workers=2) as sb:\n"
     "    print('ready', flush=True)\n"
