@@ -32,8 +32,8 @@ def embedded_fp32_llm():
 
 
 @pytest.fixture(scope="session")
-def served_model_dir(tmp_path_factory, embedded_llm):
-    # Depends on embedded_llm so the export reuses the model already in memory.
+def served_model_dir(tmp_path_factory, embedded_fp32_llm):
+    # Depends on the float32 model so the export reuses the model already in memory.
     return export_embedded_model(tmp_path_factory.mktemp("smollm2-hf"))
 
 

@@ -35,10 +35,11 @@ def test_names_the_served_model(served_llm, served_model_dir):
     assert served_llm.model == str(served_model_dir)
 
 
-def test_greedy_text_and_counts_match_the_in_process_model(served_llm, embedded_llm):
+def test_greedy_text_and_counts_match_the_in_process_model(served_llm, embedded_fp32_llm):
+    # The server serves the exported float32 weights: the in-process model with the same ones.
     prompts = ["The capital of France is", SAY_HI]
     params = GREEDY.model_copy(update={"max_tokens": 32})
-    assert served_llm.generate(prompts, params) == embedded_llm.generate(prompts, params)
+    assert served_llm.generate(prompts, params) == embedded_fp32_llm.generate(prompts, params)
 
 
 def test_stop_string_is_cut_and_reported(served_llm):
@@ -87,7 +88,7 @@ def test_continuing_an_assistant_message_is_refused_by_transformers_serve(served
 
 
 def test_two_servers_share_a_batch_and_one_dies_mid_batch(
-    transformers_server, start_server, embedded_llm
+    transformers_server, start_server, embedded_fp32_llm
 ):
     """Samples spread across both servers; one is killed while it holds requests; every
     completion is still returned, once, and equals the model's own greedy answer."""
@@ -107,7 +108,7 @@ def test_two_servers_share_a_batch_and_one_dies_mid_batch(
     assert in_flight > 0  # it died holding requests, which went to the other server
     assert stats[transformers_server]["answered"] >= 2 and stats[other]["answered"] >= 2
     assert stats[transformers_server]["answered"] + stats[other]["answered"] == 20
-    expected = embedded_llm.generate(prompts, params)
+    expected = embedded_fp32_llm.generate(prompts, params)
     assert results == expected
 
 

@@ -90,7 +90,7 @@ def test_int8_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_p
         resource = LLMResource(model=tiny_base, device="cpu", quantization=quantization)
         context = SimpleNamespace(resource=lambda _, resource=resource: resource)
         stage_llm = StageLLM(SimpleNamespace(model=None), context)
-        stage_llm.complete(PROMPTS, sampling, cache, chunk=len(PROMPTS))
+        stage_llm.complete(PROMPTS, sampling, cache)
         names.append(stage_llm.name)
     # Each scheme computed its own completions once; the repeats found them.
     assert (cache.misses, cache.hits) == (2 * len(PROMPTS), 2 * len(PROMPTS))
