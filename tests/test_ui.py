@@ -144,7 +144,7 @@ def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1600, "height": 1000})
+        page = browser.new_page(viewport={"width": 3200, "height": 2000})
         page.set_default_timeout(120_000)
         expect.set_options(timeout=120_000)  # the first page waits for the code location
 
@@ -192,7 +192,8 @@ def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
     for sensor in ("seed_problems_files", "rstar_automation"):
         ticks = _ticks(url, sensor)
         assert ticks, f"{sensor} never ticked"
-        assert all(t["status"] == "SKIPPED" for t in ticks), ticks
+        # Every finished tick skipped (a tick still being evaluated is STARTED).
+        assert all(t["status"] == "SKIPPED" for t in ticks if t["status"] != "STARTED"), ticks
     with dg.DagsterInstance.get() as instance:
         after = [r for r in instance.get_runs() if r.run_id not in runs_before]
     assert [r.run_id for r in after] == [launched.run_id]
