@@ -39,18 +39,12 @@ def model_cache_dir() -> Path:
     return base / "rstar-pipelines" / "models"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def entry_name(gguf_file: Path) -> str:
     """The cache entry of a GGUF file: its name, its content hash, the converting versions."""
     converter = f"transformers{version('transformers')}-gguf{version('gguf')}"
-    return f"{gguf_file.stem}-{_sha256(gguf_file)[:16]}-{converter}"
+    with gguf_file.open("rb") as f:
+        content = hashlib.file_digest(f, "sha256").hexdigest()
+    return f"{gguf_file.stem}-{content[:16]}-{converter}"
 
 
 def converted_dir(gguf_file: str | Path) -> Path:

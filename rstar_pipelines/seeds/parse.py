@@ -86,11 +86,8 @@ def problem_id(domain: str, problem: str, answer: str | None, oracle_solutions: 
 
 
 def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with path.open("rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
 class SeedFileError(StageInputError):
