@@ -5,6 +5,7 @@ the hardening steps measured in a worker-like container.
 
     python benchmarks/sandbox_throughput.py [--backend docker] [--workers N]
         [--clients 8 --repeat 5 --no-baselines]   # the spread of one figure
+        [--preload '']                            # the cost of preloading numpy
 
 Prints Markdown tables for docs/benchmarks.md, with the load average before and after
 each row: the machine may be shared. Not a test: figures depend on the machine.
@@ -34,6 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="docker", choices=["docker", "process"])
     parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument(
+        "--preload", default="numpy", help="comma-separated modules the workers preload"
+    )
     parser.add_argument("--clients", default="1,2,8,64", help="comma-separated client counts")
     parser.add_argument("--repeat", type=int, default=1, help="measure every row this often")
     parser.add_argument("--trivial-jobs", type=int, default=2000)
@@ -51,7 +55,8 @@ def main() -> None:
         rows.append(line)
 
     print(f"load average at the start: {load_average()}", flush=True)
-    with Sandbox(backend=args.backend, workers=args.workers) as sb:
+    preload = tuple(filter(None, args.preload.split(",")))
+    with Sandbox(backend=args.backend, workers=args.workers, preload=preload) as sb:
         cpu = cpu_bound_snippet(sb)
         snippets = {"trivial": (TRIVIAL, args.trivial_jobs), "CPU ~50 ms": (cpu, args.cpu_jobs)}
         for _ in range(args.repeat):
