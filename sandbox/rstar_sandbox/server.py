@@ -6,22 +6,20 @@ container's Python has nothing else we ship. Protocol: one JSON object per line 
 per line out, in order, over stdin/stdout or over a Unix socket (`--listen PATH`).
 
 Three kinds of process:
-  * the zygote (PID 1) preloads modules once and forks one child per job, ahead of
-    the job once the previous job's reset is done. It never reads a job's code, input
-    or output: they reach the child as file descriptors, so no job can find another
-    job's data in the memory it inherits. As PID 1 it cannot be signalled from inside
-    the namespace, and it reaps what jobs leave behind.
+  * the zygote (PID 1) preloads modules once and forks one child per job. It never
+    reads a job's code, input or output: they reach the child as file descriptors, so
+    no job can find another job's data in the memory it inherits. As PID 1 it cannot be
+    signalled from inside the namespace, and it reaps what jobs leave behind.
   * the supervisor, forked by the zygote before preloading, talks to the host. Per job
     it hands the code and the input to the zygote as memfds, enforces the wall-clock
     timeout and the output cap, and afterwards kills every process the job left
     (`kill(-1)` spares only PID 1 and the caller), waits until they are gone, and
     empties every place a job can write (`WRITABLE`).
-  * the job child starts its own session and drops to the job user (`--job-uid`;
-    where the server cannot change uid, it drops every capability) before its job
-    comes; then takes its stdin from a memfd and its stdout/stderr from pipes, closes
-    every other descriptor, sets rlimits (address space, CPU seconds, processes, file
-    size, open files), and executes the code as `__main__` in the clean environment
-    the zygote set up.
+  * the job child starts its own session, takes its stdin from a memfd and its
+    stdout/stderr from pipes, closes every other descriptor, drops to the job user
+    (`--job-uid`; where the server cannot change uid, it drops every capability),
+    sets rlimits (address space, CPU seconds, processes, file size, open files), and
+    executes the code as `__main__` in the clean environment the zygote set up.
 
 SysV IPC and POSIX message queues are switched off (their namespace limits are 0), so
 nothing a job leaves can live there. With `--own-mounts` (the process backend) the
@@ -89,9 +87,8 @@ DEFAULTS = {
     "max_file_mb": 16,
     "max_open_files": 256,
 }
-# Supervisor -> zygote: b"J" with a job's descriptors (answered b"X" + the job child's
-# wait status, user and system CPU seconds, peak RSS in KiB, or b"E" + why it could not
-# start); b"R", reap zombies (answered b"r"); b"A", fork the next child ahead (no answer).
+# Zygote -> supervisor: b"X" + the job child's wait status, user and system CPU seconds,
+# peak RSS in KiB; b"E" + why the fork failed; b"r" once zombies are reaped.
 EXIT_REPORT = struct.Struct("=iddq")
 # Supervisor -> job child, in a memfd: CPU seconds, address space, processes, file size,
 # open files, then the code (UTF-8). Unpacking it costs the child next to nothing.
@@ -246,7 +243,7 @@ def _send_job_fds(sock: socket.socket, message: bytes, fds, flags: int = 0) -> N
 def _recv_job_fds(sock: socket.socket) -> tuple[bytes, tuple[int, ...]]:
     """A message and the job's descriptors sent with it, if any. What socket.recv_fds
     does, with fewer objects: in a process that has forked, each page it writes to is
-    copied (a page fault, microseconds), and the zygote and the job child run this."""
+    copied (a page fault, microseconds), and the zygote runs this after every fork."""
     message, ancillary, _, _ = sock.recvmsg(16, JOB_FDS_SPACE)
     return message, JOB_FDS.unpack(ancillary[0][2]) if ancillary else ()
 
@@ -338,11 +335,8 @@ class Zygote:
         gc.freeze()  # children's collections then leave the shared pages alone
         self.base_vm = _vm_size_bytes()
         self.fork = _fork_function()
-        self.ready: tuple[int, socket.socket] | None = None  # the child forked ahead
-        self.fd_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
     def serve(self, ctl: socket.socket) -> None:
-        self._fork_ahead()
         while True:
             try:
                 message, fds = _recv_job_fds(ctl)
@@ -351,100 +345,51 @@ class Zygote:
             if not message:
                 return  # the supervisor is gone
             self._reap()  # before a fork too: zombies count against the pids limit
-            if message == b"A":
-                self._fork_ahead()  # no reply: the supervisor goes on meanwhile
-                continue
             reply = b"r" if message == b"R" else self._run(fds)
             try:
                 ctl.send(reply)
             except OSError:
                 return
 
-    def _reap(self) -> None:
+    @staticmethod
+    def _reap() -> None:
         try:
-            while (pid := os.waitpid(-1, os.WNOHANG)[0]) > 0:
-                if self.ready is not None and pid == self.ready[0]:  # died waiting (OOM)
-                    self.ready[1].close()
-                    self.ready = None
+            while os.waitpid(-1, os.WNOHANG)[0] > 0:
+                pass
         except ChildProcessError:
             pass
 
-    def _fork_ahead(self) -> None:
-        """Fork the next job's child before its job comes, while the supervisor answers
-        the host and waits for the next job, so that a job waits for no fork. The
-        supervisor asks for it (b"A") only once a reset is done: the child, which
-        drops to the job user at once (`_await_job`), never lives beside a job's
-        leftovers (should a reset find it, when a job failed to reach it, it is killed
-        and reaped as a leftover, and forked anew). It has nothing of any job."""
-        if self.ready is not None:
-            return
-        try:
-            self.ready = self._fork_child()
-        except OSError:
-            pass  # the job forks its child when it comes, and reports why that fails
-
-    def _fork_child(self) -> tuple[int, socket.socket]:
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        pid = self.fork()
-        if pid == 0:
-            ours.close()
-            self._await_job(theirs)
-        theirs.close()
-        if pid < 0:
-            ours.close()
-            errno = ctypes.get_errno()
-            raise OSError(errno, os.strerror(errno))
-        return pid, ours
-
     def _run(self, fds: tuple[int, ...]) -> bytes:
         try:
-            pid = self._hand_over(fds)
+            pid = self.fork()
+            if pid < 0:
+                errno = ctypes.get_errno()
+                raise OSError(errno, os.strerror(errno))
         except OSError as err:
-            return b"E" + f"cannot fork the job: {err}".encode()
-        finally:
-            for fd in fds:
-                os.close(fd)
+            pid, failure = -1, b"E" + f"cannot fork the job: {err}".encode()
+        if pid == 0:
+            self._child(*fds)
+        for fd in fds:
+            os.close(fd)
+        if pid < 0:
+            return failure
         _, wait_status, usage = os.wait4(pid, 0)
         return b"X" + EXIT_REPORT.pack(wait_status, usage.ru_utime, usage.ru_stime, usage.ru_maxrss)
 
-    def _hand_over(self, fds: tuple[int, ...]) -> int:
-        """Give the job's descriptors to the child forked ahead, or to a new one if
-        there is none or it died waiting; the child's pid."""
-        for attempt in (1, 2):
-            (pid, sock), self.ready = self.ready or self._fork_child(), None
-            with sock:
-                try:
-                    _send_job_fds(sock, b"J", fds, socket.MSG_NOSIGNAL)
-                    return pid
-                except OSError:
-                    if attempt == 2:
-                        raise
-        raise AssertionError("unreachable")
-
-    def _await_job(self, sock: socket.socket):
-        """Runs in a child forked ahead; never returns. It does now what no job needs
-        (the reset before the fork left nothing the job user could reach it with),
-        then waits for its job's descriptors and runs the job."""
+    def _child(self, spec_fd: int, stdin_fd: int, out_w: int, err_w: int, status_w: int):
+        """Runs in the forked child; never returns."""
         try:
             if self.fork is not os.fork:
                 _reseed()
-            os.setsid()
-            # Jobs go first when a memory cgroup (the container's) runs out, not the server.
-            fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
-            os.write(fd, b"1000")
-            os.close(fd)
-            self._drop_privileges()
-            sys.stdin, sys.stdout, sys.stderr = self.streams
-            sys.argv = ["main.py"]
-            _, fds = _recv_job_fds(sock)
-            if not fds:
-                os._exit(0)  # the zygote is gone
-            spec_fd, stdin_fd, out_w, err_w, status_w = fds
             spec = os.pread(spec_fd, os.fstat(spec_fd).st_size, 0)
+            os.setsid()
             for target, fd in ((0, stdin_fd), (1, out_w), (2, err_w), (STATUS_FD, status_w)):
                 os.dup2(fd, target)
-            os.closerange(STATUS_FD + 1, self.fd_limit)
+            os.closerange(STATUS_FD + 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            self._drop_privileges()
             _set_limits(JOB_SPEC.unpack_from(spec), self.base_vm)
+            sys.stdin, sys.stdout, sys.stderr = self.streams
+            sys.argv = ["main.py"]
             source = spec[JOB_SPEC.size :].decode("utf-8")
         except BaseException:
             os.write(2, traceback.format_exc().encode())
@@ -452,6 +397,10 @@ class Zygote:
         _exec_job(source)
 
     def _drop_privileges(self) -> None:
+        # Jobs go first when a memory cgroup (the container's) runs out, not the server.
+        fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+        os.write(fd, b"1000")
+        os.close(fd)
         if self.job_uid is not None:  # no supplementary groups: main() dropped them
             os.setgid(self.job_uid)
             os.setuid(self.job_uid)
@@ -738,7 +687,6 @@ class Supervisor:
                     time.sleep(0.001)
             for place in WRITABLE:
                 _empty(place)
-        self._to_zygote(b"A")  # nothing of the job is left: the next child may be forked
 
 
 def _kill_all(sig: int = signal.SIGKILL) -> bool:

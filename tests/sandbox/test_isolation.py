@@ -395,22 +395,3 @@ def test_a_job_cannot_stop_the_server(backend):
         after = sb.run([Job(code="print('still here')")])[0]
     assert (attacked.status, attacked.stdout, attacked.attempts) == (OK, "done\n", 1)
     assert (after.status, after.stdout, after.attempts) == (OK, "still here\n", 1)
-
-
-def test_a_running_job_shares_its_worker_with_no_other_process(backend):
-    """The zygote forks each job's child ahead of its job, but only once the previous
-    job's reset is done: while a job runs, its worker holds the zygote, the supervisor
-    and the job, and nothing the job user could reach is alive during a reset."""
-    census = (
-        "import os\n"
-        "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
-        "print(len(pids), sorted(os.stat(f'/proc/{p}').st_uid for p in pids))\n"
-    )
-    with Sandbox(backend=backend, workers=1) as sb:
-        results = sb.run([Job(code=census)] * 5)
-    uid = os.getuid() if backend == "process" and os.geteuid() != 0 else None
-    for result in results:
-        count, uids = result.stdout.split(" ", 1)
-        assert result.status == OK and count == "3", result.stdout
-        job_uid = json.loads(uids)[-1] if uid is None else uid
-        assert sorted(json.loads(uids)) == sorted([0, 0, job_uid]), result.stdout
