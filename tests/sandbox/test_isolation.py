@@ -395,3 +395,20 @@ def test_a_job_cannot_stop_the_server(backend):
         after = sb.run([Job(code="print('still here')")])[0]
     assert (attacked.status, attacked.stdout, attacked.attempts) == (OK, "done\n", 1)
     assert (after.status, after.stdout, after.attempts) == (OK, "still here\n", 1)
+
+
+def test_a_running_job_shares_its_worker_with_no_other_process(backend):
+    """While a job runs, its worker holds the zygote, the supervisor and the job: no
+    earlier job's process and no child forked for a later job, which the job user
+    could reach (or the reset's kill(-1) would find)."""
+    census = (
+        "import os\n"
+        "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+        "print(len(pids), sorted(os.stat(f'/proc/{p}').st_uid for p in pids))\n"
+    )
+    with Sandbox(backend=backend, workers=1) as sb:
+        results = sb.run([Job(code=census)] * 5)
+    for result in results:
+        count, uids = result.stdout.split(" ", 1)
+        assert result.status == OK and count == "3", result.stdout
+        assert json.loads(uids)[:2] == [0, 0], result.stdout  # the zygote, the supervisor
