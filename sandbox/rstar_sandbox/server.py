@@ -93,10 +93,6 @@ EXIT_REPORT = struct.Struct("=iddq")
 # Supervisor -> job child, in a memfd: CPU seconds, address space, processes, file size,
 # open files, then the code (UTF-8). Unpacking it costs the child next to nothing.
 JOB_SPEC = struct.Struct("=qqqqq")
-# A job's descriptors, passed supervisor -> zygote -> job child: the spec, stdin, and
-# the write ends of stdout, stderr and the status pipe.
-JOB_FDS = struct.Struct("=5i")
-JOB_FDS_SPACE = socket.CMSG_SPACE(JOB_FDS.size)
 LEFTOVER_GRACE_S = 5.0
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -236,18 +232,6 @@ def _fork_function():
     return os.fork
 
 
-def _send_job_fds(sock: socket.socket, message: bytes, fds, flags: int = 0) -> None:
-    sock.sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, JOB_FDS.pack(*fds))], flags)
-
-
-def _recv_job_fds(sock: socket.socket) -> tuple[bytes, tuple[int, ...]]:
-    """A message and the job's descriptors sent with it, if any. What socket.recv_fds
-    does, with fewer objects: in a process that has forked, each page it writes to is
-    copied (a page fault, microseconds), and the zygote runs this after every fork."""
-    message, ancillary, _, _ = sock.recvmsg(16, JOB_FDS_SPACE)
-    return message, JOB_FDS.unpack(ancillary[0][2]) if ancillary else ()
-
-
 def _reseed() -> None:
     random = sys.modules.get("random")
     if random is not None:
@@ -339,7 +323,7 @@ class Zygote:
     def serve(self, ctl: socket.socket) -> None:
         while True:
             try:
-                message, fds = _recv_job_fds(ctl)
+                message, fds, _, _ = socket.recv_fds(ctl, 16, 5)
             except OSError:
                 return
             if not message:
@@ -359,7 +343,7 @@ class Zygote:
         except ChildProcessError:
             pass
 
-    def _run(self, fds: tuple[int, ...]) -> bytes:
+    def _run(self, fds: list[int]) -> bytes:
         try:
             pid = self.fork()
             if pid < 0:
@@ -598,7 +582,7 @@ class Supervisor:
     def _to_zygote(self, message: bytes, fds: list[int] | None = None) -> None:
         try:
             if fds:
-                _send_job_fds(self.ctl, message, fds)
+                socket.send_fds(self.ctl, [message], fds)
             else:
                 self.ctl.send(message)
         except OSError as err:
