@@ -35,6 +35,7 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from rstar_pipelines.llm.coroutines import Window
 from rstar_pipelines.llm.types import LLM, AsyncLLM, Completion, Prompt, SamplingParams, submit
 from rstar_pipelines.math.answers import equivalent
 from rstar_pipelines.math.interpreter import interpreter_program, reference_program
@@ -465,7 +466,16 @@ class MCTSSearch:
         # Servers batch continuously: an expansion goes out as soon as its tree asks.
         self._streamed = isinstance(policy, AsyncLLM)
 
-    def run(self, problems: Sequence[Problem]) -> list[Tree]:
+    def run(
+        self,
+        problems: Sequence[Problem],
+        window: int | None = None,
+        on_tree: Callable[[int, Tree, float], None] | None = None,
+    ) -> list[Tree]:
+        """One tree per problem. At most `window` trees are open at once (every tree, when
+        None), the next one started as soon as one ends; `on_tree(i, tree, seconds)` is called
+        from this thread as soon as tree `i` ends, with its share of the wall time (each moment
+        split evenly among the trees open then: llm.coroutines.Window)."""
         from rstar_sandbox import Job
 
         start = time.perf_counter()
@@ -473,10 +483,10 @@ class MCTSSearch:
         searches = [
             TreeSearch(t, self.config, self.prompt, self.ppm is not None).run() for t in trees
         ]
-        ready: deque[tuple[int, Any]] = deque((i, None) for i in range(len(trees)))
+        opened = Window(len(trees), window)
+        ready: deque[tuple[int, Any]] = deque((i, None) for i in opened.start())
         pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
         in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
-        open_trees = len(trees)
         # The interpreter program stops itself at exec_timeout_s (with the reference's
         # TimeoutError); the sandbox's limit behind it is a second longer.
         grace = 1.0 if self.config.execution == "interpreter" else 0.0
@@ -491,39 +501,50 @@ class MCTSSearch:
         }
         held_since: dict[type, float] = {}
         with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
-            while ready or in_flight:
-                engine_start = time.perf_counter()
-                while ready:
-                    index, reply = ready.popleft()
-                    try:
-                        request = searches[index].send(reply)
-                    except StopIteration:
-                        open_trees -= 1
-                        continue
-                    pending[type(request)].append((index, request))
-                now = time.perf_counter()
-                for kind in self._lanes_to_start(pending, in_flight, open_trees, held_since, now):
-                    batch, pending[kind] = pending[kind], []
-                    held_since.pop(kind, None)
-                    if kind is _Generate:  # one future per tree: each resumes on its own
-                        self.stats.open_trees_at_llm_call.append(open_trees)
-                        futures = self._generate([r for _, r in batch])
-                        in_flight.update(
-                            (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
-                        )
-                        continue
-                    future = pool.submit(lanes[kind], [r for _, r in batch])
-                    in_flight[future] = (kind, batch)
-                self.stats.engine_s += time.perf_counter() - engine_start
-                if not in_flight:
-                    break
-                deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
-                timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
-                for future in done:
-                    kind, batch = in_flight.pop(future)
-                    replies = [future.result()] if kind is _Generate else future.result()
-                    ready.extend(zip((i for i, _ in batch), replies, strict=True))
+            try:
+                while ready or in_flight:
+                    engine_start = time.perf_counter()
+                    while ready:
+                        index, reply = ready.popleft()
+                        try:
+                            request = searches[index].send(reply)
+                        except StopIteration:
+                            seconds = opened.end(index)
+                            if on_tree is not None:
+                                on_tree(index, trees[index], seconds)
+                            ready.extend((i, None) for i in opened.start())
+                            continue
+                        pending[type(request)].append((index, request))
+                    now = time.perf_counter()
+                    open_trees = opened.running
+                    for kind in self._lanes_to_start(
+                        pending, in_flight, open_trees, held_since, now
+                    ):
+                        batch, pending[kind] = pending[kind], []
+                        held_since.pop(kind, None)
+                        if kind is _Generate:  # one future per tree: each resumes on its own
+                            self.stats.open_trees_at_llm_call.append(open_trees)
+                            futures = self._generate([r for _, r in batch])
+                            in_flight.update(
+                                (f, (kind, [entry]))
+                                for f, entry in zip(futures, batch, strict=True)
+                            )
+                            continue
+                        future = pool.submit(lanes[kind], [r for _, r in batch])
+                        in_flight[future] = (kind, batch)
+                    self.stats.engine_s += time.perf_counter() - engine_start
+                    if not in_flight:
+                        break
+                    deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
+                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                    done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        kind, batch = in_flight.pop(future)
+                        replies = [future.result()] if kind is _Generate else future.result()
+                        ready.extend(zip((i for i, _ in batch), replies, strict=True))
+            finally:  # on an error, withdraw the expansions not yet started
+                for future in in_flight:
+                    future.cancel()
         self.stats.wall_s += time.perf_counter() - start
         return trees
 

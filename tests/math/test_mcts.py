@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from rstar_pipelines.llm import Completion
-from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
+from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
 from rstar_pipelines.math.tree import tree_from_rows
@@ -286,3 +286,19 @@ def test_many_trees_share_batches(sandbox):
     # The trees move together, and the LLM waits the moment it takes for the trees still
     # running code: every call carries all six.
     assert policy.batches == [6] * len(policy.batches)
+
+
+def test_a_window_starts_the_next_tree_as_soon_as_one_ends(sandbox):
+    policy = ScriptedPolicy()
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(3)]
+    ended = []
+    search = MCTSSearch(policy, sandbox, config, prompt=PROMPT)
+    trees = search.run(problems, window=2, on_tree=lambda i, tree, s: ended.append((i, tree, s)))
+    assert all(state(t) == state(trees[0]) for t in trees)
+    assert sorted(i for i, _, _ in ended[:2]) == [0, 1] and ended[2][0] == 2
+    assert all(tree is trees[i] for i, tree, _ in ended)
+    # Two trees at a time, the third started when the first two ended: alone, it has the
+    # model to itself.
+    assert policy.batches[0] == 2 and max(policy.batches) == 2 and policy.batches[-1] == 1
+    assert sum(s for _, _, s in ended) <= search.stats.wall_s
