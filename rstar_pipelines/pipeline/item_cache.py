@@ -92,31 +92,38 @@ class ItemCache:
         """Results for `items` in order, as `map`, but without batches: `compute(missing, done)`
         computes the missing items in any order it likes and calls `done(j, value)`, from the
         calling thread, as soon as `missing[j]` is finished; each value is committed then,
-        whatever the others do. If `compute` raises, what it finished stays committed."""
+        whatever the others do. Items with the same key are computed once. If `compute`
+        raises, what it finished stays committed."""
         keys = [key(item) for item in items]
         stored_keys = [self._stored_key(k) for k in keys]
         stored = self._store.get_many(stored_keys)
         results: list[Any] = [json.loads(stored[s]) if s in stored else None for s in stored_keys]
-        todo = [i for i, r in enumerate(results) if r is None]
-        self.hits += len(items) - len(todo)
-        self.misses += len(todo)
+        waiting: dict[str, list[int]] = {}  # a missing key -> the items that have it
+        for i, r in enumerate(results):
+            if r is None:
+                waiting.setdefault(keys[i], []).append(i)
+        todo = list(waiting.values())
+        missing = sum(len(same) for same in todo)
+        self.hits += len(items) - missing
+        self.misses += missing
         if not todo:
             return results
-        with progress.track(len(todo), cached=len(items) - len(todo)) as task:
+        with progress.track(len(todo), cached=len(items) - missing) as task:
 
             def done(j: int, value: Any) -> None:
-                i = todo[j]
-                if results[i] is not None:
-                    raise RuntimeError(f"item {i} of {len(items)} was finished twice")
-                results[i] = value
-                self.put(keys[i], value)
+                same = todo[j]
+                if results[same[0]] is not None:
+                    raise RuntimeError(f"item {same[0]} of {len(items)} was finished twice")
+                for i in same:
+                    results[i] = value
+                self.put(keys[same[0]], value)
                 if task is not None:
                     task.advance(1)
 
-            compute([items[i] for i in todo], done)
-        missing = [i for i in todo if results[i] is None]
-        if missing:
-            raise RuntimeError(f"{len(missing)} of {len(todo)} items were never finished")
+            compute([items[same[0]] for same in todo], done)
+        unfinished = sum(1 for same in todo if results[same[0]] is None)
+        if unfinished:
+            raise RuntimeError(f"{unfinished} of {len(todo)} items were never finished")
         return results
 
     def map_async(
