@@ -17,7 +17,11 @@ the sandbox or the PPM, and resumes a tree as soon as its own answer is back: a 
 never held for the slowest one (unless `lockstep`, the reference's schedule, kept for
 comparison). A policy that takes prompts one by one (`AsyncLLM`: the openai backend over a
 fleet of servers) gets each expansion as soon as its tree asks; one that batches
-`generate` calls gets what is pending while its previous call runs.
+`generate` calls gets what is pending while its previous call runs. Over such a policy and
+without a PPM, each sample is a request of its own and a rollout walks on as soon as the
+samples that decide its next step are in (TreeSearch: the tree stays the reference's). At
+most `window` trees are open at once, the next started as soon as one ends, and each is
+handed to `on_tree` when it ends (the search stages commit it to the item cache then).
 
     trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
     trees[0].nodes  # the node table
@@ -599,12 +603,11 @@ class MCTSSearch:
 
         start = time.perf_counter()
         trees = [Tree(p, Node("0", None, 0)) for p in problems]
-        searches = [
-            TreeSearch(
-                t, self.config, self.prompt, self.ppm is not None, self._early, self.stats
-            ).run()
+        rules = [
+            TreeSearch(t, self.config, self.prompt, self.ppm is not None, self._early, self.stats)
             for t in trees
         ]
+        searches = [r.run() for r in rules]
         opened = Window(len(trees), window)
         ready: deque[tuple[int, Any]] = deque((i, None) for i in opened.start())
         pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
@@ -674,8 +677,10 @@ class MCTSSearch:
                         one = kind is _Generate or kind is _Wait  # a future per tree
                         replies = [future.result()] if one else future.result()
                         ready.extend(zip((i for i, _ in batch), replies, strict=True))
-            finally:  # on an error, withdraw the expansions not yet started
+            finally:  # on an error, withdraw the expansions (and samples) not yet started
                 for future in in_flight:
+                    future.cancel()
+                for future in (f for r in rules for u in r.unsettled for f in u.samples):
                     future.cancel()
         self.stats.wall_s += time.perf_counter() - start
         return trees
