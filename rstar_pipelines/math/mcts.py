@@ -294,6 +294,9 @@ class _Unsettled:
     node: Node
     samples: list[Future]
     received: list[Completion]
+    # Its first answer is in: nothing later can change its child, only that child's token
+    # count, so nothing waits for the rest before the tree ends.
+    decided: bool = False
 
 
 class TreeSearch:
@@ -326,6 +329,7 @@ class TreeSearch:
         self.stats = stats or SearchStats()
         self.unsettled: list[_Unsettled] = []
         self.path: list[str] = []  # the node ids the current rollout expanded
+        self.gone: set[int] = set()  # the nodes an early walk undid
         self.rewards: list[tuple[Node, float]] = []  # answers' rewards, backed up when settled
 
     def run(self) -> _Search:
@@ -335,7 +339,7 @@ class TreeSearch:
         c, root = self.config.c, self.tree.root
         for _ in range(self.config.rollouts):
             if root.terminal:
-                return  # every branch is closed
+                break  # every branch is closed
             self.path: list[str] = []
             self.tree.rollout_paths.append(self.path)
             node = step_down(root, c)
@@ -347,6 +351,7 @@ class TreeSearch:
                     yield from self.expand(node)
                 node = step_down(node, c)
             yield from self._settle()
+        yield from self._settle(final=True)
 
     def expand(self, node: Node) -> _Search:
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
@@ -363,6 +368,9 @@ class TreeSearch:
                 yield from self._attach(node, unsettled.received, len(samples))
                 if any(not child.terminal for child in node.children):
                     return  # the walk goes on into the first open child
+                if len(node.children) == 1 and node.children[0].is_answer:
+                    unsettled.decided = True
+                    return  # its answer alone, whatever the rest are
             self.unsettled.remove(unsettled)  # every sample in, and no open child
             return
         completions: list[Completion] = yield _Generate(prompt)
@@ -419,16 +427,22 @@ class TreeSearch:
             failed.completion_tokens = sum(c.completion_tokens for c in completions)
             self._fail(failed, NO_VALID_CHILD)
 
-    def _settle(self) -> _Search:
+    def _settle(self, final: bool = False) -> _Search:
         """The samples still coming for this rollout's expansions, attached in order (an answer
-        among them discards the walk below), then the rollout's reward backed up."""
+        among them discards the walk below), then the rollout's reward backed up. Expansions
+        already decided wait for the tree's end (`final`): only token counts are left."""
+        later = []
         while self.unsettled:
             unsettled = self.unsettled.pop(0)
+            if unsettled.decided and not final:
+                later.append(unsettled)
+                continue
             width = len(unsettled.samples)
             while len(unsettled.received) < width:
                 [sample] = yield _Wait(unsettled.samples[len(unsettled.received)])
                 unsettled.received.append(sample)
             yield from self._attach(unsettled.node, unsettled.received, width)
+        self.unsettled = [u for u in later if id(u.node) not in self.gone]
         for child, reward in self.rewards:
             child.backup(reward)
         self.rewards.clear()
@@ -436,6 +450,7 @@ class TreeSearch:
     def _discard(self, node: Node) -> None:
         """Undo the walk below `node` (an answer came in among its later samples)."""
         gone = {id(n) for child in node.children for n in child.walk()}
+        self.gone |= gone
         self.stats.discarded_nodes += len(gone)
         self.stats.discarded_tokens += sum(
             n.completion_tokens or 0 for child in node.children for n in child.walk()
