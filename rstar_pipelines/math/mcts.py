@@ -206,7 +206,9 @@ class Tree:
 
     @property
     def completion_tokens(self) -> int:
-        """Every token the search generated (nodes stored without a count add none)."""
+        """Every token of the tree's nodes (nodes stored without a count add none): all the
+        search generated, but for a walk the early search undid (`SearchStats.discarded_tokens`,
+        and the samples it withdrew)."""
         return sum(n.completion_tokens or 0 for n in self.root.walk())
 
 
