@@ -286,7 +286,7 @@ def run_stage(urls, args, replicas: int, *, n: int) -> dict:
     return {"wall_s": wall, **busy_fraction(urls, args.tick_ms / 1000)}
 
 
-def run_mcts(urls, args, replicas: int, *, lockstep: bool) -> dict:
+def run_mcts(urls, args, replicas: int, *, lockstep: bool, early: bool = True) -> dict:
     from mcts import InstantSandbox
 
     from rstar_pipelines.llm import load_llm
@@ -297,10 +297,11 @@ def run_mcts(urls, args, replicas: int, *, lockstep: bool) -> dict:
     trees = max(1, round(args.trees_per_slot * replicas * args.batch / config.width))
     problems = [Problem(f"t{i}", f"What is {i} + 5 - {i}?", "5") for i in range(trees)]
     with closing(load_llm("openai", base_url=urls)) as llm:
-        search = MCTSSearch(llm, InstantSandbox(), config)
+        search = MCTSSearch(llm, InstantSandbox(), config, descend_early=early)
         search.run(problems)
     wall = search.stats.wall_s
     return {"wall_s": wall, "trees": trees, "trees_per_hour": trees * 3600 / wall,
+            "discarded_nodes": search.stats.discarded_nodes,
             **busy_fraction(urls, args.tick_ms / 1000)}  # fmt: skip
 
 
@@ -335,8 +336,11 @@ def main() -> None:
                 cases += [(f"candidate_solutions (Dagster), chat, n={n}", run_stage, {"n": n})
                           for n in (1, 8)]  # fmt: skip
             if "mcts" in only:
-                cases += [(f"MCTS, raw, width 4, {'lock-step' if lock else 'asynchronous'}",
-                           run_mcts, {"lockstep": lock}) for lock in (True, False)]  # fmt: skip
+                cases += [("MCTS, raw, width 4, lock-step", run_mcts, {"lockstep": True}),
+                          ("MCTS, raw, width 4, asynchronous, whole expansions", run_mcts,
+                           {"lockstep": False, "early": False}),
+                          ("MCTS, raw, width 4, asynchronous, early walk", run_mcts,
+                           {"lockstep": False})]  # fmt: skip
             for name, run, options in cases:
                 row = {"replicas": replicas, "case": name, **run(urls, args, replicas, **options)}
                 print(json.dumps(row), flush=True)

@@ -4,14 +4,14 @@ verified tests) only grades the final turn."""
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 
 import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.agent.format import agent_prompt, final_answer
 from rstar_pipelines.agent.reward import AgentProblem, rewards
-from rstar_pipelines.agent.rollout import RolloutConfig, run_rollouts
+from rstar_pipelines.agent.rollout import RolloutConfig, Trajectory, run_rollouts
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
@@ -43,7 +43,6 @@ class GRPOEvalParams(StageParams):
         RolloutConfig(temperature=0.0),
         description="the training rollouts' limits, at temperature 0 (greedy)",
     )
-    chunk: int = Field(8, ge=1, description="problems rolled out together (and per cache commit)")
 
 
 def agent_problem(problem: VerifiedProblem) -> AgentProblem:
@@ -88,19 +87,19 @@ class GRPOEvaluation(Stage):
                     [q.answer, q.inputs, q.labels],  # they grade the outcome, never generation
                 )
 
-            def compute(chunk: list[VerifiedProblem], config=config) -> list[dict]:
+            def compute(
+                todo: list[VerifiedProblem], done: Callable[[int, dict], None], config=config
+            ) -> None:
                 llm, sandbox = models.policy(), ctx.resource("sandbox").get()
-                start = time.perf_counter()
-                prompts = [agent_prompt(system, user, q.question, q.domain) for q in chunk]
-                groups = run_rollouts(llm, sandbox, prompts, 1, config, seed=0)
-                graded = rewards(
-                    groups, [agent_problem(q) for q in chunk], sandbox, config.timeout_s
-                )
-                seconds = (time.perf_counter() - start) / len(chunk)
-                outcomes = []
-                for q, [trajectory], [reward] in zip(chunk, groups, graded, strict=True):
+                prompts = [agent_prompt(system, user, q.question, q.domain) for q in todo]
+
+                def finished(j: int, group: list[Trajectory], seconds: float) -> None:
+                    # Graded at once (a sandbox run for a code problem), then committed.
+                    q, [trajectory] = todo[j], group
+                    [[reward]] = rewards([group], [agent_problem(q)], sandbox, config.timeout_s)
                     calls = trajectory.tool_calls
-                    outcomes.append(
+                    done(
+                        j,
                         {
                             "answer": (
                                 final_answer(trajectory.final_text) if q.domain == "math" else None
@@ -111,11 +110,14 @@ class GRPOEvaluation(Stage):
                             "tool_errors": sum(c.status != "ok" for c in calls),
                             "tokens": trajectory.completion_tokens,
                             "seconds": seconds,
-                        }
+                        },
                     )
-                return outcomes
 
-            stored = ctx.cache.map(problems, key, compute, p.chunk)
+                run_rollouts(llm, sandbox, prompts, 1, config, seed=0, on_done=finished)
+
+            # Every problem at once (the LLM backend decides how much is in flight), each
+            # committed as soon as its rollout has ended.
+            stored = ctx.cache.map_streamed(problems, key, compute)
             rows += [
                 {
                     "problem_id": q.id,

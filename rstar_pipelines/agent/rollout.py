@@ -23,7 +23,7 @@ tokens. The reference keeps the cut turn; either way such a trajectory ends with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -113,8 +113,11 @@ def run_rollouts(
     n: int,
     config: RolloutConfig,
     seed: int | None = None,
+    on_done: Callable[[int, list[Trajectory], float], None] | None = None,
 ) -> list[list[Trajectory]]:
-    """`n` trajectories per prompt (chat messages ending with the user's problem), in order.
+    """`n` trajectories per prompt (chat messages ending with the user's problem), in order;
+    `on_done(i, trajectories, seconds)` as soon as prompt i's have all ended, with its share
+    of the wall time (llm.coroutines.Window).
 
     Turn t samples with seed `seed + t`, so the same seed gives the same rollouts.
     """
@@ -125,7 +128,12 @@ def run_rollouts(
             raise ValueError(f"prompt {index} must be chat messages ending with a user message")
     groups = [[Trajectory(prompt=[dict(m) for m in p]) for _ in range(n)] for p in prompts]
     rollout = _Rollout(llm.name, config, seed)
-    run_coroutines(llm, [rollout.group(g) for g in groups], {"tools": sandbox.run})
+    run_coroutines(
+        llm,
+        [rollout.group(g) for g in groups],
+        {"tools": sandbox.run},
+        None if on_done is None else lambda i, seconds: on_done(i, groups[i], seconds),
+    )
     return groups
 
 

@@ -11,7 +11,6 @@ on the held-out math problems all the evaluations share, with what each cost.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import pyarrow as pa
@@ -21,6 +20,8 @@ from rstar_pipelines.dser.evolve import ChainState, DSERProblem, Judge, extract_
 from rstar_pipelines.dser.stages import dser_prompts, mean
 from rstar_pipelines.dser.vote import vote
 from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.coroutines import Window
+from rstar_pipelines.llm.types import stream
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import labelled_points, markdown_table
@@ -46,7 +47,6 @@ class ComparisonParams(StageParams):
         SamplingParams(n=8, temperature=0.7),
         description="the majority-vote baseline: n samples of the first-solution prompt",
     )
-    chunk: int = Field(8, ge=1, description="problems sampled together (and per cache commit)")
 
 
 class EvaluationComparison(Stage):
@@ -238,23 +238,20 @@ class EvaluationComparison(Stage):
         def key(problem: DSERProblem) -> str:
             return fingerprint(models.policy_name, sampling.model_dump(mode="json"), solve(problem))
 
-        def compute(chunk: list[DSERProblem]) -> list[dict]:
+        def compute(todo: list[DSERProblem], done: Callable[[int, dict], None]) -> None:
             llm = models.policy()
-            start = time.perf_counter()
-            outputs = llm.generate(
-                [[{"role": "user", "content": solve(q)}] for q in chunk], sampling
-            )
-            seconds = (time.perf_counter() - start) / len(chunk)
-            return [
-                {
+            prompts = [[{"role": "user", "content": solve(q)}] for q in todo]
+            window = Window(len(todo))  # every prompt at once: the backend decides the rest
+            window.start()
+            for j, completions in stream(llm, prompts, sampling):
+                item = {
                     "texts": [c.text for c in completions],
                     "tokens": sum(c.completion_tokens for c in completions),
-                    "seconds": seconds,
+                    "seconds": window.end(j),
                 }
-                for completions in outputs
-            ]
+                done(j, item)
 
-        stored = ctx.cache.map(problems, key, compute, self.params.chunk)
+        stored = ctx.cache.map_streamed(problems, key, compute)
         judge = Judge()
         outcomes = []
         for (_, question, row), sampled in zip(shared, stored, strict=True):

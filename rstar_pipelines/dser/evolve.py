@@ -233,8 +233,11 @@ def run_dser(
     config: DSERConfig,
     prompts: DSERPrompts,
     judge: Judge,
+    on_done: Callable[[int, DSERRun, float], None] | None = None,
 ) -> list[DSERRun]:
-    """Evolve `config.chains` chains per problem for `config.iterations` iterations.
+    """Evolve `config.chains` chains per problem for `config.iterations` iterations;
+    `on_done(p, run, seconds)` as soon as problem p's chains have all ended, with its share of
+    the wall time (llm.coroutines.Window).
 
     No chain stops early: a solution that passed is verified again in the next iteration,
     since the model's verdicts are samples too."""
@@ -243,7 +246,10 @@ def run_dser(
         return []
     evolution = _Evolution(llm, problems, config, prompts, judge)
     run_coroutines(
-        llm, [evolution.problem(p) for p in range(len(problems))], {"grade": judge.grade}
+        llm,
+        [evolution.problem(p) for p in range(len(problems))],
+        {"grade": judge.grade},
+        None if on_done is None else lambda p, seconds: on_done(p, evolution.result(p), seconds),
     )
     return [evolution.result(p) for p in range(len(problems))]
 

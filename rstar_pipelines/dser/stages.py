@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import pyarrow as pa
 from pydantic import Field
@@ -68,7 +69,6 @@ class DSEREvalParams(StageParams):
     dser: DSERConfig = DSERConfig()
     heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
     max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
-    chunk: int = Field(8, ge=1, description="problems evolved together (and per cache commit)")
     timeout_s: float = Field(5.0, gt=0, description="per program run, grading code states")
     memory_mb: int = Field(256, gt=0)
 
@@ -106,17 +106,21 @@ class DSEREvaluation(Stage):
                 [q.domain, q.question, q.answer, q.inputs, q.labels],
             )
 
-        def compute(chunk: list[VerifiedProblem]) -> list[dict]:
-            llm = models.policy()
-            code = any(q.domain == "code" for q in chunk)
+        def compute(todo: list[VerifiedProblem], done: Callable[[int, dict], None]) -> None:
+            llm = models.policy()  # loaded before the evolution: the seconds are its own
+            code = any(q.domain == "code" for q in todo)
             judge = Judge(ctx.resource("sandbox").get() if code else None, p.timeout_s, p.memory_mb)
-            start = time.perf_counter()  # after loading the model: the evolution's own time
-            runs = run_dser(llm, [dser_problem(q) for q in chunk], p.dser, prompts, judge)
-            seconds = (time.perf_counter() - start) / len(chunk)
-            ctx.log.info(f"evolved {len(chunk)} problems in {seconds * len(chunk):.1f}s")
-            return [{**_outcome(run, p.dser.vote_last), "seconds": seconds} for run in runs]
 
-        stored = ctx.cache.map(problems, key, compute, p.chunk)
+            def finished(j: int, run: DSERRun, seconds: float) -> None:
+                done(j, {**_outcome(run, p.dser.vote_last), "seconds": seconds})
+
+            start = time.perf_counter()
+            run_dser(llm, [dser_problem(q) for q in todo], p.dser, prompts, judge, finished)
+            ctx.log.info(f"evolved {len(todo)} problems in {time.perf_counter() - start:.1f}s")
+
+        # Every problem at once (the LLM backend decides how much is in flight), each
+        # committed as soon as its chains have ended.
+        stored = ctx.cache.map_streamed(problems, key, compute)
         rows = [
             {
                 "problem_id": q.id,

@@ -9,7 +9,10 @@ A coroutine yields what it waits for and is resumed with the answer:
 - `Batch(lane, items)`: `lanes[lane](items)`'s results for the items. The items of every pending
   Batch of a lane go in one call, made in a worker thread when the lane is idle.
 - `Fork(coroutines)`: the coroutine ends and these start.
-What a coroutine returns is ignored: coroutines keep their results in their own objects.
+What a coroutine returns is ignored: coroutines keep their results in their own objects. A
+coroutine given to `run_coroutines` is a root: it is done when it and every coroutine forked
+from it (and from those) have ended, and `on_done` hears of it then, with its share of the wall
+time (`Window`), so that a stage commits each root's result as soon as it is in.
 
 How they are scheduled depends on the LLM:
 - one that takes prompts one by one (`AsyncLLM`: the openai backend over a fleet of servers):
@@ -24,6 +27,7 @@ How they are scheduled depends on the LLM:
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Generator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -54,19 +58,71 @@ class Fork:
 Coroutine = Generator[Ask | Batch | Fork, Any, None]
 
 
+class Window:
+    """Which of `count` items (trees, problems) run when: at most `size` at once (all of them,
+    when None), the next one started as soon as one ends. And each item's share of the wall
+    time: every moment split evenly among the items running then. Items that share one fleet
+    overlap, so an item's own start-to-end time overstates its cost; the shares add up to the
+    time anything ran, and an item that runs longer, or alone, gets more."""
+
+    def __init__(self, count: int, size: int | None = None):
+        if size is not None and size < 1:
+            raise ValueError(f"a window holds at least one item, got size {size}")
+        self.count, self.size = count, size or count
+        self._next = 0
+        self._running: dict[int, float] = {}  # item -> the clock when it started
+        self._clock = 0.0  # seconds per running item, summed since the first start
+        self._last = time.perf_counter()
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def start(self) -> list[int]:
+        """The items to start now, in order: as many as the window has room for."""
+        self._advance()
+        started = []
+        while self._next < self.count and len(self._running) < self.size:
+            self._running[self._next] = self._clock
+            started.append(self._next)
+            self._next += 1
+        return started
+
+    def end(self, item: int) -> float:
+        """`item` has ended: its share of the wall time, in seconds."""
+        self._advance()
+        return self._clock - self._running.pop(item)
+
+    def _advance(self) -> None:
+        now = time.perf_counter()
+        if self._running:
+            self._clock += (now - self._last) / len(self._running)
+        self._last = now
+
+
 def run_coroutines(
     llm: LLM,
     coroutines: Sequence[Coroutine],
     lanes: dict[str, Callable[[list[Any]], list[Any]]] | None = None,
+    on_done: Callable[[int, float], None] | None = None,
 ) -> None:
-    """Run every coroutine to its end (see the module docstring)."""
-    _Scheduler(llm, lanes or {}).run(coroutines)
+    """Run every coroutine to its end (see the module docstring); `on_done(i, seconds)` as soon
+    as root `i` and its forks have ended, called from this thread."""
+    _Scheduler(llm, lanes or {}, on_done).run(coroutines)
 
 
 class _Scheduler:
-    def __init__(self, llm: LLM, lanes: dict[str, Callable[[list[Any]], list[Any]]]):
-        self.llm, self.lanes = llm, lanes
+    def __init__(
+        self,
+        llm: LLM,
+        lanes: dict[str, Callable[[list[Any]], list[Any]]],
+        on_done: Callable[[int, float], None] | None = None,
+    ):
+        self.llm, self.lanes, self.on_done = llm, lanes, on_done
         self.streamed = isinstance(llm, AsyncLLM)
+        self.root: dict[Coroutine, int] = {}  # every live coroutine's root
+        self.alive: dict[int, int] = {}  # root -> its live coroutines
+        self.window: Window | None = None
         self.ready: deque[tuple[Coroutine, Any]] = deque()
         self.asks: list[tuple[Coroutine, Ask]] = []
         self.batches: dict[str, list[tuple[Coroutine, Sequence[Any]]]] = defaultdict(list)
@@ -74,6 +130,10 @@ class _Scheduler:
         self.waiting: dict[Future, tuple[str | None, list[tuple[Coroutine, Sequence[Any]]]]] = {}
 
     def run(self, coroutines: Sequence[Coroutine]) -> None:
+        self.window = Window(len(coroutines))
+        for i in self.window.start():
+            self.root[coroutines[i]] = i
+            self.alive[i] = 1
         self.ready.extend((c, None) for c in coroutines)
         with ThreadPoolExecutor(max_workers=max(1, len(self.lanes))) as pool:
             try:
@@ -104,6 +164,7 @@ class _Scheduler:
             try:
                 request = coroutine.send(reply)
             except StopIteration:
+                self._ended(coroutine, forked=())
                 continue
             if isinstance(request, Ask):
                 self.asks.append((coroutine, request))
@@ -113,8 +174,20 @@ class _Scheduler:
                 self.batches[request.lane].append((coroutine, request.items))
             elif isinstance(request, Fork):
                 self.ready.extend((c, None) for c in request.coroutines)
+                self._ended(coroutine, forked=request.coroutines)
             else:
                 raise TypeError(f"a coroutine yielded {request!r}")
+
+    def _ended(self, coroutine: Coroutine, forked: Sequence[Coroutine]) -> None:
+        root = self.root.pop(coroutine)
+        for child in forked:
+            self.root[child] = root
+        self.alive[root] += len(forked) - 1
+        if self.alive[root] == 0:
+            del self.alive[root]
+            seconds = self.window.end(root)
+            if self.on_done is not None:
+                self.on_done(root, seconds)
 
     def _submit_asks(self) -> None:
         groups: dict[SamplingParams, list[tuple[Coroutine, Prompt]]] = defaultdict(list)

@@ -17,7 +17,11 @@ the sandbox or the PPM, and resumes a tree as soon as its own answer is back: a 
 never held for the slowest one (unless `lockstep`, the reference's schedule, kept for
 comparison). A policy that takes prompts one by one (`AsyncLLM`: the openai backend over a
 fleet of servers) gets each expansion as soon as its tree asks; one that batches
-`generate` calls gets what is pending while its previous call runs.
+`generate` calls gets what is pending while its previous call runs. Over such a policy and
+without a PPM, each sample is a request of its own and a rollout walks on as soon as the
+samples that decide its next step are in (TreeSearch: the tree stays the reference's). At
+most `window` trees are open at once, the next started as soon as one ends, and each is
+handed to `on_tree` when it ends (the search stages commit it to the item cache then).
 
     trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
     trees[0].nodes  # the node table
@@ -35,6 +39,7 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
+from rstar_pipelines.llm.coroutines import Window
 from rstar_pipelines.llm.types import LLM, AsyncLLM, Completion, Prompt, SamplingParams, submit
 from rstar_pipelines.math.answers import equivalent
 from rstar_pipelines.math.interpreter import interpreter_program, reference_program
@@ -201,7 +206,9 @@ class Tree:
 
     @property
     def completion_tokens(self) -> int:
-        """Every token the search generated (nodes stored without a count add none)."""
+        """Every token of the tree's nodes (nodes stored without a count add none): all the
+        search generated, but for a walk the early search undid (`SearchStats.discarded_tokens`,
+        and the samples it withdrew)."""
         return sum(n.completion_tokens or 0 for n in self.root.walk())
 
 
@@ -218,6 +225,9 @@ class SearchStats:
     sandbox_s: float = 0.0
     ppm_s: float = 0.0
     engine_s: float = 0.0  # the search's own work: tree rules, answer checks, scheduling
+    # What an early walk did below a node whose later samples held an answer (TreeSearch).
+    discarded_nodes: int = 0
+    discarded_tokens: int = 0
     wall_s: float = 0.0
 
     @property
@@ -238,6 +248,8 @@ class SearchStats:
             "ppm_s": self.ppm_s,
             "engine_s": self.engine_s,
             "wall_s": self.wall_s,
+            "discarded_nodes": self.discarded_nodes,
+            "discarded_tokens": self.discarded_tokens,
         }
 
 
@@ -245,6 +257,19 @@ class SearchStats:
 @dataclass
 class _Generate:
     prompt: Prompt
+
+
+@dataclass
+class _Sample:
+    """The expansion's `width` samples as requests of their own: answered at once with a
+    future per sample, which the tree then waits for one by one (`_Wait`)."""
+
+    prompt: Prompt
+
+
+@dataclass
+class _Wait:
+    future: Future
 
 
 @dataclass
@@ -257,22 +282,57 @@ class _Score:
     prompts: list[Prompt]
 
 
-_Request = _Generate | _Execute | _Score
+_Request = _Generate | _Sample | _Wait | _Execute | _Score
 _Search = Generator[_Request, Any, None]
 
 # The least time a model lane holds a partial batch for trees still running code.
 MIN_GATHER_S = 0.05
 
 
-class TreeSearch:
-    """The rules of one tree (docs/rstar-math.md), written as a generator of requests."""
+@dataclass
+class _Unsettled:
+    """An expansion the walk went past before all its samples were in."""
 
-    def __init__(self, tree: Tree, config: MCTSConfig, prompt: StepPrompt, with_ppm: bool):
+    node: Node
+    samples: list[Future]
+    received: list[Completion]
+    # Its first answer is in: nothing later can change its child, only that child's token
+    # count, so nothing waits for the rest before the tree ends.
+    decided: bool = False
+
+
+class TreeSearch:
+    """The rules of one tree (docs/rstar-math.md), written as a generator of requests.
+
+    With `early` (no PPM, and a policy that takes prompts one by one), a rollout does not wait
+    for all the samples of a node it expands: the reference walks on into the node's first open
+    child, which is known once that sample and the ones before it are in (new open children are
+    unvisited, so their UCT ties at 0 and goes to the first). A later sample can still change
+    it: an answer among them leaves that answer as the only child. So the walk goes on
+    speculatively, the rest of the samples are attached in order when the rollout ends, and an
+    answer among them discards what the walk did below that node; the one reward a rollout
+    backs up (an answer ends it) is applied then. The tree is the reference's."""
+
+    def __init__(
+        self,
+        tree: Tree,
+        config: MCTSConfig,
+        prompt: StepPrompt,
+        with_ppm: bool,
+        early: bool = False,
+        stats: SearchStats | None = None,
+    ):
         self.tree = tree
         self.config = config
         self.prompt = prompt
         self.with_ppm = with_ppm
         self.evaluating = tree.problem.answer is None
+        self.early = early and not with_ppm
+        self.stats = stats or SearchStats()
+        self.unsettled: list[_Unsettled] = []
+        self.path: list[str] = []  # the node ids the current rollout expanded
+        self.gone: set[int] = set()  # the nodes an early walk undid
+        self.rewards: list[tuple[Node, float]] = []  # answers' rewards, backed up when settled
 
     def run(self) -> _Search:
         """`rollouts` rollouts, each of at most `max_depth` steps (the reference's budget): a
@@ -281,46 +341,42 @@ class TreeSearch:
         c, root = self.config.c, self.tree.root
         for _ in range(self.config.rollouts):
             if root.terminal:
-                return  # every branch is closed
-            path = []
+                break  # every branch is closed
+            self.path: list[str] = []
+            self.tree.rollout_paths.append(self.path)
             node = step_down(root, c)
             for _ in range(self.config.max_depth):
                 if node is None:
                     break
                 if not node.children:
-                    path.append(node.node_id)
+                    self.path.append(node.node_id)
                     yield from self.expand(node)
                 node = step_down(node, c)
-            self.tree.rollout_paths.append(path)
+            yield from self._settle()
+        yield from self._settle(final=True)
 
     def expand(self, node: Node) -> _Search:
-        config = self.config
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
+        if self.early:
+            samples = yield _Sample(prompt)
+            unsettled = _Unsettled(node, samples, [])
+            self.unsettled.append(unsettled)
+            while len(unsettled.received) < len(samples):
+                [sample] = yield _Wait(samples[len(unsettled.received)])
+                unsettled.received.append(sample)
+                at = len(unsettled.received)
+                if at < len(samples) and samples[at].done():
+                    continue  # decide on every sample already in: fewer walks to undo
+                yield from self._attach(node, unsettled.received, len(samples))
+                if any(not child.terminal for child in node.children):
+                    return  # the walk goes on into the first open child
+                if len(node.children) == 1 and node.children[0].is_answer:
+                    unsettled.decided = True
+                    return  # its answer alone, whatever the rest are
+            self.unsettled.remove(unsettled)  # every sample in, and no open child
+            return
         completions: list[Completion] = yield _Generate(prompt)
-        kept = _distinct(completions, config.dedupe, config.blank_samples)
-        steps = [
-            parse_step(c.text, c.stop_string, config.empty_box, config.answers) for c, _ in kept
-        ]
-        code = [s for s in steps if s.kind == "code"]
-        history = _open_block(node, config.timed_out_steps)
-        runs = (yield _Execute([self._program([*history, s.text]) for s in code])) if code else []
-        outcomes = iter(runs)
-        for step, (_, tokens) in zip(steps, kept, strict=True):
-            child = Node(f"{node.node_id}.{len(node.children) + 1}", node, node.depth + 1)
-            child.action = step.text
-            child.completion_tokens = tokens
-            node.children.append(child)
-            if step.kind == "answer":
-                self._answer(child, step.text, step.final_answer)
-            elif step.kind == "code":
-                self._code(child, step, next(outcomes))
-            else:
-                child.text, child.kind = step.text, "text"
-                self._depth_limit(child)
-        if not steps:
-            failed = Node(f"{node.node_id}.1", node, node.depth + 1)
-            failed.completion_tokens = sum(c.completion_tokens for c in completions)
-            self._fail(failed, NO_VALID_CHILD)
+        yield from self._attach(node, completions, len(completions))
         # The PPM values every new node still open, and in evaluation mode every new answer too.
         scored = [
             ch
@@ -336,6 +392,83 @@ class TreeSearch:
                 else:
                     child.update(value)  # on the new node only: its initial Q
 
+    def _attach(self, node: Node, completions: list[Completion], width: int) -> _Search:
+        """The children of `node` from the first of its `width` samples (all of them, or the
+        first ones: those already attached are kept, their token counts brought up to date,
+        unless an answer among the samples leaves it the only child)."""
+        config = self.config
+        kept = _distinct(completions, config.dedupe, config.blank_samples)
+        attached = node.children
+        if kept and kept[0][0].stop_string == ANSWER_END and attached and not attached[0].is_answer:
+            self._discard(node)
+            attached = node.children
+        for child, (_, tokens) in zip(attached, kept, strict=False):
+            child.completion_tokens = tokens
+        new = kept[len(attached) :]
+        steps = [
+            parse_step(c.text, c.stop_string, config.empty_box, config.answers) for c, _ in new
+        ]
+        code = [s for s in steps if s.kind == "code"]
+        history = _open_block(node, config.timed_out_steps)
+        runs = (yield _Execute([self._program([*history, s.text]) for s in code])) if code else []
+        outcomes = iter(runs)
+        for step, (_, tokens) in zip(steps, new, strict=True):
+            child = Node(f"{node.node_id}.{len(node.children) + 1}", node, node.depth + 1)
+            child.action = step.text
+            child.completion_tokens = tokens
+            node.children.append(child)
+            if step.kind == "answer":
+                self._answer(child, step.text, step.final_answer)
+            elif step.kind == "code":
+                self._code(child, step, next(outcomes))
+            else:
+                child.text, child.kind = step.text, "text"
+                self._depth_limit(child)
+        if not kept and len(completions) == width:
+            failed = Node(f"{node.node_id}.1", node, node.depth + 1)
+            failed.completion_tokens = sum(c.completion_tokens for c in completions)
+            self._fail(failed, NO_VALID_CHILD)
+
+    def _settle(self, final: bool = False) -> _Search:
+        """The samples still coming for this rollout's expansions, attached in order (an answer
+        among them discards the walk below), then the rollout's reward backed up. Expansions
+        already decided wait for the tree's end (`final`): only token counts are left."""
+        later = []
+        while self.unsettled:
+            unsettled = self.unsettled.pop(0)
+            if unsettled.decided and not final:
+                later.append(unsettled)
+                continue
+            width = len(unsettled.samples)
+            while len(unsettled.received) < width:
+                [sample] = yield _Wait(unsettled.samples[len(unsettled.received)])
+                unsettled.received.append(sample)
+            yield from self._attach(unsettled.node, unsettled.received, width)
+        self.unsettled = [u for u in later if id(u.node) not in self.gone]
+        for child, reward in self.rewards:
+            child.backup(reward)
+        self.rewards.clear()
+
+    def _discard(self, node: Node) -> None:
+        """Undo the walk below `node` (an answer came in among its later samples)."""
+        gone = {id(n) for child in node.children for n in child.walk()}
+        self.gone |= gone
+        self.stats.discarded_nodes += len(gone)
+        self.stats.discarded_tokens += sum(
+            n.completion_tokens or 0 for child in node.children for n in child.walk()
+        )
+        node.children.clear()
+        # Its answer alone, which closes it: the walk's next step_down would have said so.
+        node.terminal = True
+        for later in self.unsettled:
+            if id(later.node) in gone:
+                for future in later.samples:
+                    future.cancel()
+        self.unsettled = [u for u in self.unsettled if id(u.node) not in gone]
+        self.rewards = [(n, r) for n, r in self.rewards if id(n) not in gone]
+        if node.node_id in self.path:
+            del self.path[self.path.index(node.node_id) + 1 :]
+
     def _answer(self, child: Node, text: str, final_answer: str | None) -> None:
         child.text, child.kind, child.terminal = text, "answer", True
         child.final_answer = final_answer
@@ -344,7 +477,11 @@ class TreeSearch:
         child.correct = final_answer is not None and equivalent(
             final_answer, self.tree.problem.answer
         )
-        child.backup(1.0 if child.correct else -1.0)
+        reward = 1.0 if child.correct else -1.0
+        if self.early:
+            self.rewards.append((child, reward))  # backed up when the rollout is settled
+        else:
+            child.backup(reward)
 
     def _program(self, actions: list[str]) -> str:
         if self.config.execution == "interpreter":
@@ -455,6 +592,7 @@ class MCTSSearch:
         config: MCTSConfig | None = None,
         ppm: ValueModel | None = None,
         prompt: StepPrompt = DEFAULT_PROMPT,
+        descend_early: bool = True,
     ):
         self.policy = policy
         self.sandbox = sandbox
@@ -462,21 +600,35 @@ class MCTSSearch:
         self.ppm = ppm
         self.prompt = prompt
         self.stats = SearchStats()
-        # Servers batch continuously: an expansion goes out as soon as its tree asks.
+        # Servers batch continuously: an expansion goes out as soon as its tree asks, and
+        # (without a PPM) each sample as a request of its own, so that the walk can go on as
+        # soon as the samples that decide it are in (TreeSearch).
         self._streamed = isinstance(policy, AsyncLLM)
+        self._early = descend_early and self._streamed and not self.config.lockstep
 
-    def run(self, problems: Sequence[Problem]) -> list[Tree]:
+    def run(
+        self,
+        problems: Sequence[Problem],
+        window: int | None = None,
+        on_tree: Callable[[int, Tree, float], None] | None = None,
+    ) -> list[Tree]:
+        """One tree per problem. At most `window` trees are open at once (every tree, when
+        None), the next one started as soon as one ends; `on_tree(i, tree, seconds)` is called
+        from this thread as soon as tree `i` ends, with its share of the wall time (each moment
+        split evenly among the trees open then: llm.coroutines.Window)."""
         from rstar_sandbox import Job
 
         start = time.perf_counter()
         trees = [Tree(p, Node("0", None, 0)) for p in problems]
-        searches = [
-            TreeSearch(t, self.config, self.prompt, self.ppm is not None).run() for t in trees
+        rules = [
+            TreeSearch(t, self.config, self.prompt, self.ppm is not None, self._early, self.stats)
+            for t in trees
         ]
-        ready: deque[tuple[int, Any]] = deque((i, None) for i in range(len(trees)))
+        searches = [r.run() for r in rules]
+        opened = Window(len(trees), window)
+        ready: deque[tuple[int, Any]] = deque((i, None) for i in opened.start())
         pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
         in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
-        open_trees = len(trees)
         # The interpreter program stops itself at exec_timeout_s (with the reference's
         # TimeoutError); the sandbox's limit behind it is a second longer.
         grace = 1.0 if self.config.execution == "interpreter" else 0.0
@@ -491,39 +643,62 @@ class MCTSSearch:
         }
         held_since: dict[type, float] = {}
         with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
-            while ready or in_flight:
-                engine_start = time.perf_counter()
-                while ready:
-                    index, reply = ready.popleft()
-                    try:
-                        request = searches[index].send(reply)
-                    except StopIteration:
-                        open_trees -= 1
-                        continue
-                    pending[type(request)].append((index, request))
-                now = time.perf_counter()
-                for kind in self._lanes_to_start(pending, in_flight, open_trees, held_since, now):
-                    batch, pending[kind] = pending[kind], []
-                    held_since.pop(kind, None)
-                    if kind is _Generate:  # one future per tree: each resumes on its own
-                        self.stats.open_trees_at_llm_call.append(open_trees)
-                        futures = self._generate([r for _, r in batch])
-                        in_flight.update(
-                            (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
-                        )
-                        continue
-                    future = pool.submit(lanes[kind], [r for _, r in batch])
-                    in_flight[future] = (kind, batch)
-                self.stats.engine_s += time.perf_counter() - engine_start
-                if not in_flight:
-                    break
-                deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
-                timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
-                for future in done:
-                    kind, batch = in_flight.pop(future)
-                    replies = [future.result()] if kind is _Generate else future.result()
-                    ready.extend(zip((i for i, _ in batch), replies, strict=True))
+            try:
+                while ready or in_flight:
+                    engine_start = time.perf_counter()
+                    while ready:
+                        index, reply = ready.popleft()
+                        try:
+                            request = searches[index].send(reply)
+                        except StopIteration:
+                            seconds = opened.end(index)
+                            if on_tree is not None:
+                                on_tree(index, trees[index], seconds)
+                            ready.extend((i, None) for i in opened.start())
+                            continue
+                        if isinstance(request, _Sample):
+                            self.stats.open_trees_at_llm_call.append(opened.running)
+                            ready.append((index, self._sample(request)))
+                        elif isinstance(request, _Wait):
+                            if request.future.done():
+                                ready.append((index, request.future.result()))
+                            else:
+                                in_flight[request.future] = (_Wait, [(index, request)])
+                        else:
+                            pending[type(request)].append((index, request))
+                    now = time.perf_counter()
+                    open_trees = opened.running
+                    for kind in self._lanes_to_start(
+                        pending, in_flight, open_trees, held_since, now
+                    ):
+                        batch, pending[kind] = pending[kind], []
+                        held_since.pop(kind, None)
+                        if kind is _Generate:  # one future per tree: each resumes on its own
+                            self.stats.open_trees_at_llm_call.append(open_trees)
+                            futures = self._generate([r for _, r in batch])
+                            in_flight.update(
+                                (f, (kind, [entry]))
+                                for f, entry in zip(futures, batch, strict=True)
+                            )
+                            continue
+                        future = pool.submit(lanes[kind], [r for _, r in batch])
+                        in_flight[future] = (kind, batch)
+                    self.stats.engine_s += time.perf_counter() - engine_start
+                    if not in_flight:
+                        break
+                    deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
+                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
+                    done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        kind, batch = in_flight.pop(future)
+                        one = kind is _Generate or kind is _Wait  # a future per tree
+                        replies = [future.result()] if one else future.result()
+                        ready.extend(zip((i for i, _ in batch), replies, strict=True))
+            finally:  # on an error, withdraw the expansions (and samples) not yet started
+                for future in in_flight:
+                    future.cancel()
+                for future in (f for r in rules for u in r.unsettled for f in u.samples):
+                    future.cancel()
         self.stats.wall_s += time.perf_counter() - start
         return trees
 
@@ -569,13 +744,34 @@ class MCTSSearch:
 
     def _generate(self, requests: list[_Generate]) -> list[Future[list[Completion]]]:
         """Submit the expansions together; `llm_s` gains the time until the last is back."""
-        start = time.perf_counter()
+        sampling = self._next_sampling(len(requests))
+        return self._timed(submit(self.policy, [r.prompt for r in requests], sampling))
+
+    def _sample(self, request: _Sample) -> list[Future[list[Completion]]]:
+        """Submit one expansion's samples as requests of their own, sample i seeded with
+        seed + i (as vLLM seeds the samples of one request)."""
+        sampling = self._next_sampling(1)
+        one = sampling.model_copy(update={"n": 1})
+        return self._timed(
+            [
+                submit(
+                    self.policy,
+                    [request.prompt],
+                    one if one.seed is None else one.model_copy(update={"seed": one.seed + i}),
+                )[0]
+                for i in range(sampling.n)
+            ]
+        )
+
+    def _next_sampling(self, expansions: int) -> SamplingParams:
         sampling = self.config.sampling(self.stats.llm_calls)
         self.stats.llm_calls += 1
-        self.stats.expansions += len(requests)
-        self.stats.llm_batch_sizes.append(len(requests))
-        futures = submit(self.policy, [r.prompt for r in requests], sampling)
-        left = [len(futures)]
+        self.stats.expansions += expansions
+        self.stats.llm_batch_sizes.append(expansions)
+        return sampling
+
+    def _timed(self, futures: list[Future]) -> list[Future]:
+        start, left = time.perf_counter(), [len(futures)]
 
         def finished(_: Future) -> None:
             left[0] -= 1

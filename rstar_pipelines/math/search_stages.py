@@ -3,8 +3,8 @@ tree), ppm_pairs and sft_dataset."""
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import fmean
 from typing import ClassVar, Literal
@@ -55,7 +55,13 @@ class SearchStageParams(StageParams):
     search: MCTSConfig = MCTSConfig()
     heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
     max_problems: int | None = Field(None, ge=1, description="search at most this many")
-    chunk: int = Field(16, ge=1, description="trees searched together (and per cache commit)")
+    window: int = Field(
+        256,
+        ge=1,
+        description="trees searched at once: the next starts as soon as one ends, and each is "
+        "committed to the item cache when it ends (with width w, at most window x w samples "
+        "in flight; 256 x 4 fill one vLLM server's 1024 sequences)",
+    )
 
 
 def step_prompt(stage: Stage, kind: str) -> StepPrompt:
@@ -65,9 +71,10 @@ def step_prompt(stage: Stage, kind: str) -> StepPrompt:
 
 @dataclass
 class SearchRun:
-    """What search_trees found: one tree per problem, the wall seconds of each (its chunk's
-    time shared by the chunk's trees, kept with it so that a cache hit keeps it), and the
-    figures of the searches run now (none when every tree came from the cache)."""
+    """What search_trees found: one tree per problem, the wall seconds of each (its share of
+    the search's wall time, each moment split evenly among the trees open then; kept with the
+    tree so that a cache hit keeps it), and the figures of the searches run now (none when
+    every tree came from the cache)."""
 
     trees: list[Tree]
     seconds: list[float]
@@ -102,20 +109,19 @@ def search_trees(
             p.answer if gold else None,
         )
 
-    def compute(chunk: list[VerifiedProblem]) -> list[dict]:
-        if not searcher:
-            searcher.append(
-                MCTSSearch(
-                    models.policy(), ctx.resource("sandbox").get(), config, models.ppm(), prompt
-                )
-            )
-        start = time.perf_counter()  # after loading the models: the search's own time
-        found = searcher[0].run([problem(p) for p in chunk])
-        seconds = (time.perf_counter() - start) / len(chunk)
-        ctx.log.info(f"searched {len(chunk)} trees: {searcher[0].stats.as_dict()}")
-        return [{"nodes": t.nodes.to_pylist(), "seconds": seconds} for t in found]
+    def compute(todo: list[VerifiedProblem], done: Callable[[int, dict], None]) -> None:
+        search = MCTSSearch(
+            models.policy(), ctx.resource("sandbox").get(), config, models.ppm(), prompt
+        )
+        searcher.append(search)  # after loading the models: the seconds are the search's own
 
-    stored = ctx.cache.map(problems, key, compute, params.chunk)
+        def finished(j: int, tree: Tree, seconds: float) -> None:
+            done(j, {"nodes": tree.nodes.to_pylist(), "seconds": seconds})
+
+        search.run([problem(p) for p in todo], params.window, finished)
+        ctx.log.info(f"searched {len(todo)} trees: {search.stats.as_dict()}")
+
+    stored = ctx.cache.map_streamed(problems, key, compute)
     return SearchRun(
         trees=[
             Tree(problem(p), tree_from_rows(item["nodes"]))

@@ -83,6 +83,49 @@ class ItemCache:
                     task.advance(len(batch))
         return results
 
+    def map_streamed(
+        self,
+        items: Sequence[T],
+        key: Callable[[T], str],
+        compute: Callable[[list[T], Callable[[int, Any], None]], None],
+    ) -> list[Any]:
+        """Results for `items` in order, as `map`, but without batches: `compute(missing, done)`
+        computes the missing items in any order it likes and calls `done(j, value)`, from the
+        calling thread, as soon as `missing[j]` is finished; each value is committed then,
+        whatever the others do. Items with the same key are computed once. If `compute`
+        raises, what it finished stays committed."""
+        keys = [key(item) for item in items]
+        stored_keys = [self._stored_key(k) for k in keys]
+        stored = self._store.get_many(stored_keys)
+        results: list[Any] = [json.loads(stored[s]) if s in stored else None for s in stored_keys]
+        waiting: dict[str, list[int]] = {}  # a missing key -> the items that have it
+        for i, r in enumerate(results):
+            if r is None:
+                waiting.setdefault(keys[i], []).append(i)
+        todo = list(waiting.values())
+        missing = sum(len(same) for same in todo)
+        self.hits += len(items) - missing
+        self.misses += missing
+        if not todo:
+            return results
+        with progress.track(len(todo), cached=len(items) - missing) as task:
+
+            def done(j: int, value: Any) -> None:
+                same = todo[j]
+                if results[same[0]] is not None:
+                    raise RuntimeError(f"item {same[0]} of {len(items)} was finished twice")
+                for i in same:
+                    results[i] = value
+                self.put(keys[same[0]], value)
+                if task is not None:
+                    task.advance(1)
+
+            compute([items[same[0]] for same in todo], done)
+        unfinished = sum(1 for same in todo if results[same[0]] is None)
+        if unfinished:
+            raise RuntimeError(f"{unfinished} of {len(todo)} items were never finished")
+        return results
+
     def map_async(
         self,
         items: Sequence[T],
@@ -90,24 +133,18 @@ class ItemCache:
         submit: Callable[[list[T]], list[Future]],
         value: Callable[[Any], Any] = lambda result: result,
     ) -> list[Any]:
-        """Results for `items` in order, as `map`, but without batches: the missing items are
-        submitted at once (`submit` returns a future per item) and each is committed as soon
-        as its future is done, whatever the others do. On an error, the items not yet started
-        are withdrawn, the ones running are awaited and committed, and the error is raised."""
-        keys = [key(item) for item in items]
-        results: list[Any] = [self.get(k) for k in keys]
-        todo = [i for i, r in enumerate(results) if r is None]
-        self.hits += len(items) - len(todo)
-        self.misses += len(todo)
-        if not todo:
-            return results
-        with progress.track(len(todo), cached=len(items) - len(todo)) as task:
-            futures = submit([items[i] for i in todo])
-            index = dict(zip(futures, todo, strict=True))
+        """`map_streamed` over futures: the missing items are submitted at once (`submit`
+        returns a future per item) and each is committed as soon as its future is done. On an
+        error, the items not yet started are withdrawn, the ones running are awaited and
+        committed, and the error is raised."""
+
+        def compute(todo: list[T], done: Callable[[int, Any], None]) -> None:
+            futures = submit(todo)
+            index = {future: j for j, future in enumerate(futures)}
             pending, error = set(futures), None
             while pending:
-                done, pending = wait(pending, return_when=FIRST_COMPLETED)
-                for future in done:
+                finished, pending = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
                     if future.cancelled():
                         continue
                     if future.exception() is not None:
@@ -116,14 +153,11 @@ class ItemCache:
                             for other in pending:
                                 other.cancel()
                         continue
-                    i = index[future]
-                    results[i] = value(future.result())
-                    self.put(keys[i], results[i])
-                    if task is not None:
-                        task.advance(1)
-        if error is not None:
-            raise error
-        return results
+                    done(index[future], value(future.result()))
+            if error is not None:
+                raise error
+
+        return self.map_streamed(items, key, compute)
 
     @property
     def hit_rate(self) -> float:

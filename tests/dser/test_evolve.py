@@ -202,7 +202,20 @@ def test_every_phase_of_every_chain_is_sampled_with_its_seed():
         },
     )
     prompts = _templates()
-    sum_run, half_run = run_dser(llm, [SUM, HALF], _config(), prompts, Judge())
+    reported = {}  # problem -> (its run, its seconds, the model calls made by then)
+    sum_run, half_run = run_dser(
+        llm,
+        [SUM, HALF],
+        _config(),
+        prompts,
+        Judge(),
+        lambda p, run, seconds: reported.setdefault(p, (run, seconds, len(llm.calls))),
+    )
+    # Each problem reported once, as soon as its chains ended: sum's before half's last
+    # refinements were sampled.
+    assert reported[0][0] == sum_run and reported[1][0] == half_run
+    assert reported[0][2] < reported[1][2] == len(llm.calls)
+    assert 0 < reported[0][1] < reported[1][1]
 
     # solve: both problems, n=3, in one call; iteration 1: 6 verifications, 4 refinements
     # (sum 1-2, half 1-2); iteration 2: 6 verifications, 2 refinements (half 1-2, refined

@@ -5,9 +5,12 @@ Q-values, selections and pairs computed by hand in the comments."""
 from __future__ import annotations
 
 import math
+import threading
+from collections import Counter
+from concurrent.futures import Future
 
 from rstar_pipelines.llm import Completion
-from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
+from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
 from rstar_pipelines.math.tree import tree_from_rows
@@ -56,6 +59,39 @@ class ScriptedPolicy:
     def generate(self, prompts, params):
         self.batches.append(len(prompts))
         return [[_completion(s) for s in self.script[p.removeprefix(self.prefix)]] for p in prompts]
+
+
+class StreamingPolicy(ScriptedPolicy):
+    """The scripted policy as a fleet of servers answers it (an `AsyncLLM`): a future per
+    prompt. Asked one sample at a time (n=1), the k-th ask for a partial solution gets the k-th
+    step of its script (cycled), `delay_s * k` seconds later."""
+
+    def __init__(self, script: dict[str, list[str]], delay_s: float):
+        super().__init__(script)
+        self.delay_s = delay_s
+        self.asked: Counter[str] = Counter()
+
+    def submit(self, prompts, params):
+        futures = []
+        for prompt in prompts:
+            steps = self.script[prompt.removeprefix(self.prefix)]
+            k, delay = 0, self.delay_s * (len(steps) - 1)
+            if params.n == 1:
+                k = self.asked[prompt] % len(steps)
+                self.asked[prompt] += 1
+                steps, delay = [steps[k]], self.delay_s * k
+            future: Future = Future()
+            result = [_completion(s) for s in steps]
+            threading.Timer(
+                delay, lambda f=future, r=result: f.cancelled() or f.set_result(r)
+            ).start()
+            futures.append(future)
+        return futures
+
+
+def padded(script: dict[str, list[str]], width: int) -> dict[str, list[str]]:
+    """Every entry `width` steps long (duplicates of its last): as many as n asks for."""
+    return {k: (v + [v[-1]] * width)[:width] for k, v in script.items()}
 
 
 PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
@@ -286,3 +322,34 @@ def test_many_trees_share_batches(sandbox):
     # The trees move together, and the LLM waits the moment it takes for the trees still
     # running code: every call carries all six.
     assert policy.batches == [6] * len(policy.batches)
+
+
+def test_a_window_starts_the_next_tree_as_soon_as_one_ends(sandbox):
+    policy = ScriptedPolicy()
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(3)]
+    ended = []
+    search = MCTSSearch(policy, sandbox, config, prompt=PROMPT)
+    trees = search.run(problems, window=2, on_tree=lambda i, tree, s: ended.append((i, tree, s)))
+    assert all(state(t) == state(trees[0]) for t in trees)
+    assert sorted(i for i, _, _ in ended[:2]) == [0, 1] and ended[2][0] == 2
+    assert all(tree is trees[i] for i, tree, _ in ended)
+    # Two trees at a time, the third started when the first two ended: alone, it has the
+    # model to itself.
+    assert policy.batches[0] == 2 and max(policy.batches) == 2 and policy.batches[-1] == 1
+    assert sum(s for _, _, s in ended) <= search.stats.wall_s
+
+
+def test_an_early_walk_builds_the_reference_tree(sandbox):
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    # The golden tree, and one whose root's third sample is the answer: the walk into the
+    # first sample's step (taken before that answer is in) is undone, and the root keeps the
+    # answer alone, as the reference's post-filter does.
+    for script in (padded(SCRIPT, 3), padded({**SCRIPT, "": [A, B, F]}, 3)):
+        reference = search([PROBLEM], ScriptedPolicy(script), sandbox, config, prompt=PROMPT)
+        early = MCTSSearch(StreamingPolicy(script, delay_s=0.1), sandbox, config, prompt=PROMPT)
+        [tree] = early.run([PROBLEM])
+        assert tree.nodes.to_pylist() == reference[0].nodes.to_pylist()
+        assert tree.rollout_paths == reference[0].rollout_paths
+    assert [n.node_id for n in tree.root.walk()] == ["0", "0.1"]
+    assert early.stats.discarded_nodes >= 3 and early.stats.discarded_tokens > 0

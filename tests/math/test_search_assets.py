@@ -5,6 +5,7 @@ really trained, out of process, from a tiny random model; round 2 searches with 
 
 from __future__ import annotations
 
+import logging
 import math
 
 import dagster as dg
@@ -17,36 +18,124 @@ from rstar_pipelines.llm import load_llm
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.materialize import run_waves
+from rstar_pipelines.math.mcts import MCTSConfig
+from rstar_pipelines.math.search_stages import search_trees
 from rstar_pipelines.math.steps import PREAMBLE
+from rstar_pipelines.pipeline.generation import CheckpointModels
+from rstar_pipelines.pipeline.item_cache import ItemCache
+from rstar_pipelines.pipeline.stage import StageContext
+from rstar_pipelines.problems import VerifiedProblem
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from tests.conftest import REPO
-from tests.math.test_mcts import SCRIPT, _completion
+from tests.math.test_mcts import SCRIPT, A, F, _completion, state
+from tests.math.test_mcts import run as golden_search
 
 QUESTION = "What is 2 + 3?"
 
 
 class ScriptedPolicy:
-    """Continues the golden tree's partial solutions, in either prompt format."""
+    """Continues the golden tree's partial solutions (or, given `scripts`, each question's own
+    script), in either prompt format; every (question, steps so far) it is asked goes into
+    `events`. A partial solution its script lacks fails the call, as a crashed model would."""
 
     name = "scripted"
+
+    def __init__(self, scripts: dict[str, dict[str, list[str]]] | None = None, events=None):
+        self.scripts = {QUESTION: SCRIPT} if scripts is None else scripts
+        self.events = [] if events is None else events
 
     def generate(self, prompts, params):
         out = []
         for prompt in prompts:
             if isinstance(prompt, str):  # the few-shot prompt: steps follow the question
-                steps = prompt.rsplit(f"Question: {QUESTION}\n", 1)[1]
+                question, steps = prompt.rsplit("Question: ", 1)[1].split("\n", 1)
             else:
-                assert prompt[0]["content"].strip() == QUESTION
+                question = prompt[0]["content"].strip()
                 steps = prompt[-1]["content"].removeprefix(PREAMBLE)
-            out.append([_completion(s) for s in SCRIPT[steps]])
+            self.events.append((question, steps))
+            out.append([_completion(s) for s in self.scripts[question][steps]])
         return out
 
 
 class ScriptedLLMResource(LLMResource):
     def get_llm(self, model=None):
         return ScriptedPolicy()
+
+
+# A question whose root's only sample is the right answer: one expansion ends its tree, while
+# the golden tree of QUESTION takes seven.
+FAST = "What is 1 + 4?"
+SCRIPTS = {QUESTION: SCRIPT, FAST: {"": [F]}}
+SEARCH = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+PROBLEMS = [
+    VerifiedProblem("slow", "slow", "b1", "math", QUESTION, "5"),
+    VerifiedProblem("fast", "fast", "b1", "math", FAST, "5"),
+]
+
+
+def _search_stage(tmp_path, monkeypatch, policy):
+    """search_trees as mcts_trajectories runs it, over `policy`, the process sandbox and an
+    item cache that logs each commit into the policy's events."""
+    stage = load_spec(REPO / "assets" / "pipeline.yaml").by_key["mcts_trajectories"].stage()
+    monkeypatch.setattr(ScriptedLLMResource, "get_llm", lambda self, model=None: policy)
+    put = ItemCache.put
+
+    def logged_put(cache, key, value):
+        put(cache, key, value)
+        policy.events.append("commit")
+
+    monkeypatch.setattr(ItemCache, "put", logged_put)
+    resources = {
+        "llm": ScriptedLLMResource(),
+        "sandbox": SandboxResource(backend="process", workers=2),
+    }
+    ctx = StageContext(
+        None,
+        logging.getLogger("test"),
+        resources=resources,
+        cache_path=tmp_path / "cache.db",
+        cache_namespace=stage.cache_namespace(),
+    )
+    models = CheckpointModels(stage, ctx, None, None)
+    return lambda: search_trees(stage, ctx, PROBLEMS, models, SEARCH, gold=True), ctx
+
+
+def test_a_tree_is_committed_as_soon_as_it_ends(tmp_path, monkeypatch, sandbox):
+    policy = ScriptedPolicy(SCRIPTS)
+    search, ctx = _search_stage(tmp_path, monkeypatch, policy)
+    searched = search()
+    # Both trees open at once, their roots expanded in one call; the fast tree is in the
+    # cache before the slow one, in the same window, asks for its next expansion.
+    events = policy.events
+    assert events[:2] == [(QUESTION, ""), (FAST, "")] and events.count("commit") == 2
+    assert events.index("commit") < events.index((QUESTION, A))
+    assert events[-1] == "commit" and events[-2][0] == QUESTION
+    assert state(searched.trees[0]) == state(golden_search(sandbox, 4))
+    assert [n.node_id for n in searched.trees[1].root.walk()] == ["0", "0.1"]
+    # Each tree's share of the wall time: both open for the first expansion, then the slow one
+    # alone; the shares add up to the search's time.
+    slow, fast = searched.seconds
+    assert 0 < fast < slow
+    assert slow + fast <= searched.stats["wall_s"]
+    ctx.close()
+
+
+def test_a_crash_mid_search_keeps_the_finished_trees(tmp_path, monkeypatch):
+    broken = {QUESTION: {k: v for k, v in SCRIPT.items() if k != A}, FAST: SCRIPTS[FAST]}
+    policy = ScriptedPolicy(broken)
+    search, ctx = _search_stage(tmp_path, monkeypatch, policy)
+    with pytest.raises(KeyError):  # the policy fails on the slow tree's second expansion
+        search()
+    assert policy.events.count("commit") == 1
+    # Again with a policy that works: only the slow tree is searched.
+    policy.scripts = SCRIPTS
+    policy.events.clear()
+    searched = search()
+    assert {e[0] for e in policy.events if e != "commit"} == {QUESTION}
+    assert ctx.cache.hits == 1 and searched.trees[1].root.children[0].final_answer == "5"
+    ctx.close()
 
 
 def _write_upstream(batch: str) -> None:
