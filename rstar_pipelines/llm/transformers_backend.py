@@ -11,7 +11,8 @@ What to know about its behaviour:
   the default for the embedded model on a CPU; "none" keeps the loaded weights, the default
   otherwise. The scheme is part of the name (`transformers:embedded+int8`), so cached
   completions of one scheme are never taken for another's.
-- Prompts run `batch_size` at a time, left-padded. Every sampled row draws from a random stream of
+- Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end, so
+  a wide batch costs little once most of its rows are done. Every sampled row draws from a random stream of
   its own (`decode_loop.RowSeeds`), seeded from `params.seed`, its prompt and its copy: the same
   seed, prompts and params give the same completions, and a prompt draws the same random
   numbers whatever else is in the call or the batch (its logits can still differ in the last
@@ -130,7 +131,7 @@ class TransformersLLM:
         self,
         model: str = "embedded",
         *,
-        batch_size: int = 8,
+        batch_size: int = 16,
         device: str | None = None,
         dtype: str = "auto",
         sparse_attention: str | None = None,
