@@ -37,6 +37,8 @@ from transformers import StoppingCriteria
 
 # Rows are dropped once this share of the batch has finished.
 DROP_SHARE = 0.25
+# The fewest prompt tokens every prompt of a batch must start with for them to be run once.
+MIN_SHARED_PREFIX = 32
 
 
 class StopStrings:
@@ -161,10 +163,10 @@ class RowSeeds:
     """One random stream per sampled row, so that a row's random draws depend on the call's
     seed, its prompt and which copy it is, never on the other rows of its batch: the same
     prompt and seed draw the same numbers alone, in another batch (the LLM resource merges
-    callers' requests into batches as they come), with rows dropped or kept. vLLM seeds a request's sampling the
-    same way, per request. Prompt i's copy j is seeded from (seed, its tokens, how many equal
-    prompts came before it in the call, j). Without a seed the streams start from torch's
-    generator."""
+    callers' requests into batches as they come), with rows dropped or kept. vLLM seeds a
+    request's sampling the same way, per request. Prompt i's copy j is seeded from (seed, its
+    tokens, how many equal prompts came before it in the call, j). Without a seed the streams
+    start from torch's generator."""
 
     def __init__(self, generators: list[torch.Generator]):
         self._generators = generators
@@ -193,9 +195,37 @@ class RowSeeds:
         return torch.cat([torch.rand(1, generator=self._generators[row]) for row in rows])
 
 
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """How many leading tokens all `prompts` have in common and can be run once for all of
+    them (a few-shot preamble, a chat's system turn): 0 below MIN_SHARED_PREFIX or for a single
+    prompt; every prompt keeps at least one token of its own, which gives its first logits."""
+    if len(prompts) < 2:
+        return 0
+    limit = min(len(p) for p in prompts) - 1
+    first = prompts[0]
+    length = 0
+    while length < limit and all(p[length] == first[length] for p in prompts):
+        length += 1
+    return length if length >= MIN_SHARED_PREFIX else 0
+
+
+def padded_batch(
+    prompts: Sequence[Sequence[int]], prefix: int, pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and attention mask of a batch whose first `prefix` tokens are shared: the
+    prefix, then each prompt's rest left-padded to the longest rest. With prefix 0 this is
+    plain left padding."""
+    rest = max(len(p) for p in prompts) - prefix
+    ids = [[*p[:prefix], *[pad_id] * (rest - len(p) + prefix), *p[prefix:]] for p in prompts]
+    mask = [
+        [1] * prefix + [0] * (rest - len(p) + prefix) + [1] * (len(p) - prefix) for p in prompts
+    ]
+    return ids, mask
+
+
 def first_positions(attention_mask: torch.Tensor) -> torch.Tensor:
-    """The position of every token of a left-padded batch, each row counting from 0 at its first
-    valid token (padding at 0), as `generate()` numbers them."""
+    """The position of every token of a padded batch, each row counting its valid tokens from 0
+    (padding at 0), as `generate()` numbers a left-padded batch."""
     return (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
 
 

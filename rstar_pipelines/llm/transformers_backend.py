@@ -11,13 +11,15 @@ What to know about its behaviour:
   the default for the embedded model on a CPU; "none" keeps the loaded weights, the default
   otherwise. The scheme is part of the name (`transformers:embedded+int8`), so cached
   completions of one scheme are never taken for another's.
-- Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end, so
-  a wide batch costs little once most of its rows are done. Every sampled row draws from a random stream of
-  its own (`decode_loop.RowSeeds`), seeded from `params.seed`, its prompt and its copy: the same
-  seed, prompts and params give the same completions, and a prompt draws the same random
-  numbers whatever else is in the call or the batch (its logits can still differ in the last
-  bits with the batch's padding: float32 keeps the samples equal, int8's bfloat16 activations
-  can move a draw). `generate()`'s models draw from torch's generator, seeded once per call.
+- Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
+  so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
+  a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`) run once.
+- Every sampled row draws from a random stream of its own (`decode_loop.RowSeeds`), seeded from
+  `params.seed`, its prompt and its copy: the same seed, prompts and params give the same
+  completions, and a prompt draws the same random numbers whatever else is in the call or the
+  batch (its logits can still differ in the last bits with the batch's padding: float32 keeps the
+  samples equal, int8's bfloat16 activations can move a draw). `generate()`'s models draw from
+  torch's generator, seeded once per call.
 - Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
 - Decoding runs our own loop (module `decode_loop`) for models with a plain full-attention
   cache: a row that ends leaves the batch, so a batch speeds up as it empties, and samples are
@@ -65,6 +67,8 @@ from .decode_loop import (
     TokenPicker,
     decode,
     first_positions,
+    padded_batch,
+    shared_prefix_length,
 )
 from .embedded import embedded_model_path
 from .gguf import converted_dir
@@ -206,20 +210,20 @@ class TransformersLLM:
         self, batch: list[list[int]], params: SamplingParams, seeds: RowSeeds | None
     ) -> list[list[Completion]]:
         width = max(len(ids) for ids in batch)
-        device = self._model.device
-        input_ids = torch.tensor(
-            [[self._pad_id] * (width - len(ids)) + ids for ids in batch], device=device
-        )
-        attention_mask = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device
-        )
         sample = params.temperature > 0
         copies = params.n if sample else 1
         with torch.inference_mode():
             cache = self._new_cache(width + params.max_tokens)
+            # SeerAttention-R's sparse layers take left padding and one prefill only.
+            prefix = shared_prefix_length(batch) if cache is not None and not self._seer else 0
+            ids, mask = padded_batch(batch, prefix, self._pad_id)
+            input_ids = torch.tensor(ids, device=self._model.device)
+            attention_mask = torch.tensor(mask, device=self._model.device)
             if cache is None:
                 rows = self._generate_with_generate(input_ids, attention_mask, params, copies)
             else:
+                if prefix:
+                    self._prefill_shared_prefix(input_ids[:1, :prefix], cache, len(batch))
                 rows = self._decode(input_ids, attention_mask, cache, params, copies, seeds)
         grouped = []
         for i, ids in enumerate(batch):
@@ -275,7 +279,7 @@ class TransformersLLM:
             eos_ids=self._eos_ids,
             stops=stops,
             # SeerAttention-R keeps per-row compressed keys outside the cache.
-            drop_finished=self._model.config._attn_implementation != SEER_ATTENTION,
+            drop_finished=not self._seer,
         )
 
     def _generate_with_generate(
@@ -308,20 +312,38 @@ class TransformersLLM:
             return None
         return cache
 
+    @property
+    def _seer(self) -> bool:
+        """Whether the model decodes with SeerAttention-R's sparse attention."""
+        return self._model.config._attn_implementation == SEER_ATTENTION
+
+    def _prefill_shared_prefix(self, prefix: torch.Tensor, cache: DynamicCache, rows: int) -> None:
+        """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
+        starts with, computed once and repeated for the batch's `rows`: an MCTS batch's prompts
+        share a few-shot preamble of about 800 tokens, which was computed for each of them."""
+        self._model.get_decoder()(
+            input_ids=prefix,
+            position_ids=torch.arange(prefix.shape[1], device=prefix.device)[None],
+            cache=cache,
+            use_cache=True,
+        )
+        cache.batch_repeat_interleave(rows)
+
     def _shared_prefill(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
     ) -> None:
-        """Fill `cache` with the keys and values of every prompt token but the last, computed
-        once per prompt: n samples of a prompt then share one prefill (the cache is repeated per
-        copy) instead of computing it n times. One-token prompts have nothing to share."""
-        if input_ids.shape[1] < 2:
+        """Fill `cache` with the keys and values of every prompt token but the last (after what
+        it holds already), computed once per prompt: n samples of a prompt then share one
+        prefill (the cache is repeated per copy) instead of computing it n times."""
+        start = cache.get_seq_length()
+        if input_ids.shape[1] - start < 2:
             return
         mask = attention_mask[:, :-1]
         # The decoder alone: the prefill needs no logits.
         self._model.get_decoder()(
-            input_ids=input_ids[:, :-1],
+            input_ids=input_ids[:, start:-1],
             attention_mask=mask,
-            position_ids=first_positions(mask),
+            position_ids=first_positions(mask)[:, start:],
             cache=cache,
             use_cache=True,
         )

@@ -102,3 +102,31 @@ def test_sampling_draws_from_generates_distribution(embedded_fp32_llm):
         assert bool((expected.gather(-1, drawn) > 0).all())
         first = picker(history, logits.clone(), torch.zeros(6))
         assert torch.equal(first[:, 0], expected.argmax(dim=-1))
+
+
+def test_a_shared_preamble_runs_once_and_changes_no_completion(embedded_fp32_llm):
+    # float32: the preamble computed once for the batch and each prompt run alone agree to
+    # float precision, so greedy completions are identical.
+    llm = embedded_fp32_llm
+    preamble = "You solve problems step by step. " * 6  # well over MIN_SHARED_PREFIX tokens
+    prompts = [preamble + q for q in ("What is 2 + 3?", "Name a color.", "Count to five:")]
+    assert decode_loop.shared_prefix_length([_ids(llm, p) for p in prompts]) >= 32
+    seen = []
+    hook = llm._model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    params = SamplingParams(temperature=0, max_tokens=12)
+    try:
+        together = llm.generate(prompts, params)
+    finally:
+        hook.remove()
+    prefix = decode_loop.shared_prefix_length([_ids(llm, p) for p in prompts])
+    assert seen[0] == (1, prefix)  # the preamble once, then each prompt's rest
+    assert seen[1][0] == len(prompts) and seen[1][1] < max(len(_ids(llm, p)) for p in prompts)
+    assert together == [llm.generate([p], params)[0] for p in prompts]
+    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5)
+    assert llm.generate(prompts, sampled)[1] == llm.generate([prompts[1]], sampled)[0]
+
+
+def _ids(llm, prompt: str) -> list[int]:
+    return llm._encode(0, prompt)
