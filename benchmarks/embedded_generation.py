@@ -3,18 +3,20 @@ transformers backend, and the backend against a bare decode loop over the same w
 
     python benchmarks/embedded_generation.py [--rounds 3] [--max-tokens 128]
 
-Four workloads, each one `generate()` call: 1 and 16 sequences, greedy and sampled (temperature
-0.8, top_p 0.95, seed 0). The 16 greedy sequences are 16 demo math problems in one left-padded
-batch; the 16 sampled ones are n=16 samples of one problem (one shared prefill). Prompts are
+Five workloads, each one `generate()` call: 1 and 16 sequences, greedy and sampled (temperature
+0.8, top_p 0.95, seed 0), and the demo's `candidate_solutions` call (8 problems, 3 samples each).
+The 16 greedy sequences are 16 demo math problems in one left-padded batch; the 16 sampled ones
+are n=16 samples of one problem (one shared prefill). Prompts are
 chats asking for a boxed answer; the stop string "<end_of_answer>" (the MCTS steps' own) is
 checked every step and rarely fires. Tokens/s is generated tokens (`completion_tokens`) over the
 call's wall time, prefill included.
 
-The bare loop does what the call did and nothing else: the same rows, prefilled once (a
-sampled prompt once, then its cache repeated per sample), then exactly as many steps as the call
-took, each a forward over the same preallocated cache and an argmax or a temperature/top-p draw;
-no stop checks, logits processors or generate(). Its tokens/s counts the backend's generated
-tokens over its own time, so the ratio is backend time against bare time for the same work.
+The bare loop does what a call without early exits would do and nothing else: the same rows,
+prefilled once (a sampled prompt once, then its cache repeated per sample), then every row for
+as many steps as the call's longest completion (the backend drops rows as they end), each a
+forward over the same preallocated cache and an argmax or a temperature/top-p draw; no stop
+checks or logits processors. Its tokens/s counts the backend's generated tokens over its own
+time, so the ratio is backend time against bare time for the same completions.
 
 Every round runs every (workload, system) once, in the same order; the table gives the median
 over rounds and the range. The machine is shared: the script prints the load average before
@@ -44,33 +46,37 @@ STOP = ("<end_of_answer>",)
 @dataclass(frozen=True)
 class Workload:
     name: str
-    sequences: int
-    sampled: bool
+    prompts: int
+    samples: int  # per prompt; 0: greedy
+    offset: int = 0  # the first demo math problem used
 
 
 WORKLOADS = (
-    Workload("1 sequence, greedy", 1, False),
-    Workload("16 sequences, greedy", 16, False),
-    Workload("1 sequence, sampled", 1, True),
-    Workload("16 sequences, sampled", 16, True),
+    Workload("1 sequence, greedy", 1, 0),
+    Workload("16 sequences, greedy", 16, 0),
+    Workload("1 sequence, sampled", 1, 1),
+    Workload("16 sequences, sampled", 1, 16),
+    # Past the one-line arithmetic seeds, as the demo's stages meet the word problems.
+    Workload("8 prompts x 3 samples (candidate_solutions)", 8, 3, offset=8),
 )
 
 
-def chats(count: int) -> list[list[dict[str, str]]]:
+def chats(count: int, offset: int = 0) -> list[list[dict[str, str]]]:
     seeds = (REPO / "assets" / "seeds" / "demo" / "demo.jsonl").read_text().splitlines()
-    problems = [json.loads(line)["problem"] for line in seeds if '"math"' in line][:count]
+    problems = [json.loads(line)["problem"] for line in seeds if '"math"' in line]
+    problems = problems[offset : offset + count]
     ask = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
     return [[{"role": "user", "content": ask.format(p)}] for p in problems]
 
 
 def request(workload: Workload, max_tokens: int) -> tuple[list, SamplingParams]:
-    if workload.sampled:
+    prompts = chats(workload.prompts, workload.offset)
+    if workload.samples:
         params = SamplingParams(
-            n=workload.sequences, temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=0
+            n=workload.samples, temperature=0.8, top_p=0.95, max_tokens=max_tokens, seed=0
         )
-        return chats(1), params.model_copy(update={"stop": STOP})
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP)
-    return chats(workload.sequences), params
+        return prompts, params.model_copy(update={"stop": STOP})
+    return prompts, SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP)
 
 
 def run_backend(llm: TransformersLLM, prompts: list, params: SamplingParams):

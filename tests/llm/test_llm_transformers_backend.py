@@ -9,11 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, MistralConfig, StopStringCriteria
 
 from rstar_pipelines.llm import LLM, SamplingParams, load_llm
-from rstar_pipelines.llm.transformers_backend import (
-    TransformersLLM,
-    _StopOnGeneratedText,
-    load_model_and_tokenizer,
-)
+from rstar_pipelines.llm.decode_loop import GeneratedTextStopCriteria
+from rstar_pipelines.llm.transformers_backend import TransformersLLM, load_model_and_tokenizer
 from rstar_pipelines.llm.types import render_chat
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -122,8 +119,8 @@ def test_stop_string_is_looked_for_in_generated_text_only():
     # transformers' own criterion matches "\n\n" across the prompt boundary; ours does not,
     # like vLLM and OpenAI servers.
     assert StopStringCriteria(tokenizer, ["\n\n"])(ids, None).item()
-    assert not _StopOnGeneratedText(tokenizer, ["\n\n"], len(prompt))(ids, None).item()
-    assert _StopOnGeneratedText(tokenizer, ["\n"], len(prompt))(ids, None).item()
+    assert not GeneratedTextStopCriteria(tokenizer, ["\n\n"], len(prompt))(ids, None).item()
+    assert GeneratedTextStopCriteria(tokenizer, ["\n"], len(prompt))(ids, None).item()
 
 
 def test_stop_strings_are_found_at_the_step_that_completes_them(embedded_llm):
@@ -135,7 +132,7 @@ def test_stop_strings_are_found_at_the_step_that_completes_them(embedded_llm):
     rows = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     steps = min(len(row) for row in rows)
     stops = ["😀 done<end", "never"]
-    criterion = _StopOnGeneratedText(tokenizer, stops, len(prompt))
+    criterion = GeneratedTextStopCriteria(tokenizer, stops, len(prompt))
     fired = [
         criterion(torch.tensor([prompt + row[:t] for row in rows]), None).tolist()
         for t in range(1, steps + 1)
@@ -175,39 +172,40 @@ def test_sampled_copies_share_one_prefill(embedded_llm):
     finally:
         hook.remove()
     width = max(len(_prompt_ids(prompt)) for prompt in MIXED)
-    # The prompts once, all but their last token; then every copy one token at a time.
+    # The prompts once, all but their last token; then every copy one token at a time (fewer
+    # once some have ended and left the batch).
     assert lengths[0] == (len(MIXED), width - 1)
-    assert set(lengths[1:]) == {(3 * len(MIXED), 1)}
+    assert lengths[1] == (3 * len(MIXED), 1)
+    assert all(rows <= 3 * len(MIXED) and tokens == 1 for rows, tokens in lengths[2:])
     assert [len(samples) for samples in results] == [3] * len(MIXED)
 
 
-def test_sampling_logits_equal_a_plain_forward_per_prompt(embedded_fp32_llm, monkeypatch):
+def test_sampling_logits_equal_a_plain_forward_per_prompt(embedded_fp32_llm):
     # float32 weights: with int8 ones the bfloat16 activations round the tiny float differences
     # between a cached, padded step and a plain forward up to about 0.1 in the logits.
     embedded_llm = embedded_fp32_llm
     model = embedded_llm._model
-    original = model.generate
-    seen = {}
-
-    def generate_keeping_logits(**kwargs):
-        out = original(**kwargs, output_logits=True, return_dict_in_generate=True)
-        seen.update(sequences=out.sequences, logits=out.logits)
-        return out.sequences
-
-    monkeypatch.setattr(model, "generate", generate_keeping_logits)
+    steps = []  # (input ids, last logits) of every forward of the model
+    hook = model.register_forward_hook(
+        lambda _, args, kwargs, out: steps.append((kwargs["input_ids"], out.logits[:, -1])),
+        with_kwargs=True,
+    )
     n = 2
-    embedded_llm.generate(MIXED, SamplingParams(n=n, temperature=1.0, max_tokens=2, seed=0))
+    try:
+        embedded_llm.generate(MIXED, SamplingParams(n=n, temperature=1.0, max_tokens=2, seed=0))
+    finally:
+        hook.remove()
     prompts = [_prompt_ids(prompt) for prompt in MIXED]
-    width = max(len(ids) for ids in prompts)
-    generated = seen["sequences"][:, width:].tolist()
+    assert len(steps) == 2  # the prompts' last token for every copy, then its sampled token
+    sampled = steps[1][0][:, 0].tolist()
     # The first two steps of every copy, against each prompt (plus its sampled token) run alone,
     # unpadded and uncached.
     for step in range(2):
-        for row, tokens in enumerate(generated):
-            ids = prompts[row // n] + tokens[:step]
+        for row in range(len(prompts) * n):
+            ids = prompts[row // n] + sampled[row : row + 1][:step]
             with torch.inference_mode():
                 expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            torch.testing.assert_close(seen["logits"][step][row], expected, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(steps[step][1][row], expected, rtol=1e-4, atol=1e-4)
 
 
 def test_near_zero_temperature_samples_equal_greedy(embedded_fp32_llm):
@@ -236,7 +234,7 @@ def test_sampled_copies_honour_stop_strings(embedded_llm):
 
 
 def test_one_token_prompts_sample_n_copies(embedded_llm):
-    # Nothing to share before the last token: generate() expands the batch itself.
+    # Nothing to share before the last token: every copy runs its one prompt token.
     [[greedy]] = embedded_llm.generate(["x"], GREEDY.model_copy(update={"max_tokens": 6}))
     assert greedy.prompt_tokens == 1
     params = SamplingParams(n=3, temperature=1e-4, max_tokens=6, seed=0)
