@@ -87,6 +87,16 @@ class AsyncLLM(LLM, Protocol):
     ) -> list[Future[list[Completion]]]: ...
 
 
+def serves_each_request(llm: LLM) -> bool:
+    """Whether `llm`'s own engine takes every request as it comes (AsyncLLM: a server fleet),
+    looking through wrappers that pass `submit` on (`wrapped`, such as the progress counter).
+    Over an in-process model `submit` goes through `GenerateBatcher`, which runs together only
+    prompts with equal params: there many small requests cost many small batches."""
+    while hasattr(llm, "wrapped"):
+        llm = llm.wrapped
+    return isinstance(llm, AsyncLLM)
+
+
 def submit(
     llm: LLM, prompts: Sequence[Prompt], params: SamplingParams
 ) -> list[Future[list[Completion]]]:

@@ -40,7 +40,15 @@ import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
 from rstar_pipelines.llm.coroutines import Window
-from rstar_pipelines.llm.types import LLM, AsyncLLM, Completion, Prompt, SamplingParams, submit
+from rstar_pipelines.llm.types import (
+    LLM,
+    AsyncLLM,
+    Completion,
+    Prompt,
+    SamplingParams,
+    serves_each_request,
+    submit,
+)
 from rstar_pipelines.math.answers import equivalent
 from rstar_pipelines.math.interpreter import interpreter_program, reference_program
 from rstar_pipelines.math.steps import (
@@ -604,7 +612,9 @@ class MCTSSearch:
         # (without a PPM) each sample as a request of its own, so that the walk can go on as
         # soon as the samples that decide it are in (TreeSearch).
         self._streamed = isinstance(policy, AsyncLLM)
-        self._early = descend_early and self._streamed and not self.config.lockstep
+        # Per-sample requests pay only where an engine serves each one as it comes: through the
+        # in-process batcher each would be a batch of one row with its own prefill.
+        self._early = descend_early and serves_each_request(policy) and not self.config.lockstep
 
     def run(
         self,

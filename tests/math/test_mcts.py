@@ -353,3 +353,22 @@ def test_an_early_walk_builds_the_reference_tree(sandbox):
         assert tree.rollout_paths == reference[0].rollout_paths
     assert [n.node_id for n in tree.root.walk()] == ["0", "0.1"]
     assert early.stats.discarded_nodes >= 3 and early.stats.discarded_tokens > 0
+
+
+def test_only_a_policy_whose_engine_serves_each_request_walks_early(sandbox):
+    # Through the in-process batcher every per-sample request would be a batch of one row with
+    # its own prefill: an in-process policy keeps whole expansions, also behind the stages'
+    # progress counter (which has `submit` for any LLM); a fleet's walks early behind it too.
+    from rstar_pipelines.pipeline.progress import CountingLLM
+
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    script = padded({**SCRIPT, "": [A, B, F]}, 3)
+    in_process = MCTSSearch(CountingLLM(ScriptedPolicy(script)), sandbox, config, prompt=PROMPT)
+    reference = search([PROBLEM], ScriptedPolicy(script), sandbox, config, prompt=PROMPT)
+    [tree] = in_process.run([PROBLEM])
+    assert tree.nodes.to_pylist() == reference[0].nodes.to_pylist()
+    assert in_process.stats.discarded_nodes == 0
+    fleet = StreamingPolicy(script, delay_s=0.05)
+    behind_counter = MCTSSearch(CountingLLM(fleet), sandbox, config, prompt=PROMPT)
+    behind_counter.run([PROBLEM])
+    assert behind_counter.stats.discarded_nodes >= 3
