@@ -133,13 +133,17 @@ def format_examples(seed: int) -> list[dict]:
     ]
 
 
+# Enough steps that the reward's rise stands above the noise of which samples a step draws.
+STEPS = 16
+
+
 def test_grpo_roc_raises_the_reward_of_a_tiny_model(tiny_base, sandbox):
     model, tokenizer = load_trainable(tiny_base)
     sft = SFTTrainConfig(lr=3e-2, epochs=20, batch_size=8, max_length=128, weight_decay=0.0)
     train_sft(model, tokenizer, format_examples(0), sft, log=lambda _: None)
     config = GRPOTrainConfig(
         lr=2e-3,
-        steps=12,
+        steps=STEPS,
         prompts_per_step=4,
         group_size=4,
         oversample=2,
@@ -165,11 +169,12 @@ def test_grpo_roc_raises_the_reward_of_a_tiny_model(tiny_base, sandbox):
     assert last > 0.7 and last - first > 0.25
     # Two optimizer steps per training step (16 kept rollouts, 8 a micro-batch).
     assert metrics["updates_per_step"] == 2
-    assert any(line.startswith("GRPO step 24/24: loss") for line in lines)
-    assert all(len(metrics[name]) == 12 for name in ("kept", "loss", "clip_low", "step_seconds"))
+    assert any(line.startswith(f"GRPO step {2 * STEPS}/{2 * STEPS}: loss") for line in lines)
+    assert all(len(metrics[name]) == STEPS for name in ("kept", "loss", "clip_low", "step_seconds"))
     updated = [n for n in metrics["updates"] if n]
     assert len(metrics["losses"]) == sum(updated) and max(updated) == 2
-    assert metrics["tool_calls"] == [0.0] * 12 and metrics["tool_error_ratio"] == [0.0] * 12
+    assert metrics["tool_calls"] == [0.0] * STEPS
+    assert metrics["tool_error_ratio"] == [0.0] * STEPS
     # The model is still the one being trained in place, back in eval mode.
     assert not model.training
 
