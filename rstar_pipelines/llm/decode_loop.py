@@ -243,17 +243,18 @@ def decode(
     stops: StopStrings | None,
     drop_finished: bool,
 ) -> list[list[int]]:
-    """The tokens each row of a left-padded batch generates, up to and including the one that
-    ended it (an EOS id, or the token that completed a stop string), at most `max_new_tokens`.
+    """The tokens each row of a padded batch (`padded_batch`) generates, up to and including the
+    one that ended it (an EOS id, or the token that completed a stop string), at most
+    `max_new_tokens`.
 
-    `cache` is empty, or holds every prompt token but the last (a prefill shared by copies of a
-    prompt), in which case only the last one is run first. `seeds` (when sampling) holds one
-    random stream per row.
+    `cache` holds the batch's first tokens already (a shared preamble, a prefill shared by copies
+    of a prompt) or none; the first step runs the rest. `seeds` (when sampling) holds one random
+    stream per row.
     """
     rows = input_ids.shape[0]
     generated: list[list[int]] = [[] for _ in range(rows)]
-    live = list(range(rows))  # the batch's rows, as indices into `generated`; -1 once ended
-    streams = list(range(rows))  # the row each slot draws for (kept while a slot runs on)
+    slots = list(range(rows))  # the row in each slot of the batch (indices into `generated`)
+    ended: set[int] = set()  # rows done; their slots run on until they are dropped
     history = input_ids  # prompt and generated tokens, what the logits processors read
     mask = attention_mask
     positions = first_positions(mask)
@@ -269,31 +270,27 @@ def decode(
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]
-        tokens = pick(history, logits.float(), seeds.draw(streams) if seeds else None)
-        finished = []
-        for slot, (row, token) in enumerate(zip(live, tokens[:, 0].tolist(), strict=True)):
-            if row < 0:
+        tokens = pick(history, logits.float(), seeds.draw(slots) if seeds else None)
+        for row, token in zip(slots, tokens[:, 0].tolist(), strict=True):
+            if row in ended:
                 continue
             generated[row].append(token)
-            ended = token in eos_ids or len(generated[row]) == max_new_tokens
-            if ended or (stops is not None and stops.found(row, [token])):
-                finished.append(slot)
-        for slot in finished:
-            live[slot] = -1  # ends the row; its slot runs on until it is dropped
-        if all(row < 0 for row in live):
+            last = token in eos_ids or len(generated[row]) == max_new_tokens
+            if last or (stops is not None and stops.found(row, [token])):
+                ended.add(row)
+        if len(ended) == rows:
             break
         history = torch.cat([history, tokens], dim=-1)
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         step_ids, step_positions = tokens, next_position
         next_position = next_position + 1
-        done = sum(row < 0 for row in live)
-        if drop_finished and done >= DROP_SHARE * len(live):
-            keep = [slot for slot, row in enumerate(live) if row >= 0]
+        done = sum(row in ended for row in slots)
+        if drop_finished and done >= DROP_SHARE * len(slots):
+            keep = [slot for slot, row in enumerate(slots) if row not in ended]
             index = torch.tensor(keep, device=input_ids.device)
             cache.batch_select_indices(index)
             history, mask = history[index], mask[index]
             step_ids, step_positions = step_ids[index], step_positions[index]
             next_position = next_position[index]
-            live = [live[slot] for slot in keep]
-            streams = [streams[slot] for slot in keep]
+            slots = [slots[slot] for slot in keep]
     return generated
