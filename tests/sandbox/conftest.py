@@ -15,6 +15,12 @@ def require_backend(backend: str) -> None:
         pytest.skip("the process backend needs root or user namespaces")
 
 
+def has_lean_zygote(backend: str) -> bool:
+    """Whether a worker runs stdlib-only jobs in a zygote without numpy: where its jobs
+    run as a uid of their own (Docker; the process backend when started as root)."""
+    return backend == "docker" or os.geteuid() == 0
+
+
 @pytest.fixture(scope="module", params=["docker", "process"])
 def backend(request) -> str:
     require_backend(request.param)

@@ -17,8 +17,20 @@ import pytest
 
 from rstar_sandbox import MEMORY_LIMIT, OK, RUNTIME_ERROR, Job, Sandbox
 from tests.conftest import host_processes_matching
+from tests.sandbox.conftest import has_lean_zygote
 
 WORKER_ID = "os.readlink('/proc/self/ns/pid')"
+
+# Jobs that import only the standard library run in the lean zygote, the others in the
+# one that preloaded numpy (server.needs_preloaded): hostile jobs try from both.
+ZYGOTES = {"lean": "", "preloaded": "import numpy\n"}
+from_each_zygote = pytest.mark.parametrize("first_line", ZYGOTES.values(), ids=ZYGOTES.keys())
+
+
+def server_processes(backend: str) -> int:
+    """PID 1 (the zygote that preloads numpy), the supervisor and the lean zygote."""
+    return 3 if has_lean_zygote(backend) else 2
+
 
 # Plants something in every place a job could keep state, or tries to; reports each try.
 PLANT = """
@@ -78,7 +90,7 @@ for kind in ("shm", "sem", "msg"):
     found["sysv " + kind] = open(f"/proc/sysvipc/{kind}").read().splitlines()[1:]
 if os.path.isdir("/dev/mqueue"):
     found["/dev/mqueue"] = sorted(os.listdir("/dev/mqueue"))
-# Left: PID 1 (the zygote), the supervisor and this job.
+# Left: the server's processes and this job.
 found["processes"] = len([p for p in os.listdir("/proc") if p.isdigit()])
 time.sleep(0.1)
 print(json.dumps({"worker": WORKER_ID_EXPR, "found": found}))
@@ -93,9 +105,11 @@ def _reports(results) -> list[dict]:
     return [json.loads(result.stdout) for result in results]
 
 
-def test_nothing_a_job_writes_or_starts_survives_it_on_any_worker(sandbox):
+@from_each_zygote
+def test_nothing_a_job_writes_or_starts_survives_it_on_any_worker(sandbox, first_line):
     marker = f"rstar-plant-{uuid.uuid4().hex[:12]}"
-    plants = _reports(sandbox.run([Job(code=PLANT, stdin=marker, timeout_s=20)] * 4))
+    plant = Job(code=first_line + PLANT, stdin=marker, timeout_s=20)
+    plants = _reports(sandbox.run([plant] * 4))
     probes = _reports(sandbox.run([Job(code=PROBE)] * 8))
 
     assert len({p["worker"] for p in plants}) == sandbox.workers
@@ -109,7 +123,8 @@ def test_nothing_a_job_writes_or_starts_survives_it_on_any_worker(sandbox):
                 assert outcome != "ok", (name, outcome)  # refused: nothing to clean up
     for probe in probes:
         found = probe["found"]
-        assert found.pop("processes") == 3, probe  # no leftover process of any job
+        # No leftover process of any job.
+        assert found.pop("processes") == server_processes(sandbox.backend) + 1, probe
         assert all(entries == [] for entries in found.values()), probe
     # On the host: no leftover process, and (process backend) nothing in its /dev/shm.
     assert host_processes_matching(marker) == []
@@ -310,12 +325,15 @@ print(json.dumps(sorted(hits)))
 """
 
 
-def test_a_job_finds_no_earlier_jobs_data_in_the_memory_it_inherits(backend):
+@from_each_zygote
+def test_a_job_finds_no_earlier_jobs_data_in_the_memory_it_inherits(backend, first_line):
     secrets = [_secret() for _ in range(3)]
     echo = "import sys\ndata = sys.stdin.read()\nprint(data)\nraise ValueError(data)"
     with Sandbox(backend=backend, workers=1) as sb:
-        earlier = sb.run([Job(code=echo, stdin=s) for s in secrets])
-        [search] = sb.run([Job(code=SEARCH_MEMORY, timeout_s=30, memory_mb=512)])
+        earlier = sb.run(
+            [Job(code=code + echo, stdin=s) for s in secrets for code in ZYGOTES.values()]
+        )
+        [search] = sb.run([Job(code=first_line + SEARCH_MEMORY, timeout_s=30, memory_mb=512)])
     assert all(r.status == RUNTIME_ERROR and r.stdout.strip() in secrets for r in earlier)
     assert search.status == OK, search.stderr
     assert set(json.loads(search.stdout)).isdisjoint(secrets)
@@ -375,10 +393,11 @@ def test_process_backend_without_root_drops_every_capability():
     assert stdout.split() == ["0", "0000000000000000", "-1", "False"]
 
 
-def test_a_job_cannot_stop_the_server(backend):
-    """Every signal a job can send to the zygote (PID 1), the supervisor or anything
-    else: the worker keeps serving without a restart."""
-    attack = (
+@from_each_zygote
+def test_a_job_cannot_stop_the_server(backend, first_line):
+    """Every signal a job can send to the zygotes, the supervisor or anything else: the
+    worker keeps serving from both zygotes without a restart."""
+    attack = first_line + (
         "import os, signal\n"
         "for pid in map(int, filter(str.isdigit, os.listdir('/proc'))):\n"
         "    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGSTOP, signal.SIGKILL):\n"
@@ -392,23 +411,26 @@ def test_a_job_cannot_stop_the_server(backend):
     )
     with Sandbox(backend=backend, workers=1) as sb:
         attacked = sb.run([Job(code=attack)])[0]
-        after = sb.run([Job(code="print('still here')")])[0]
+        after = sb.run([Job(code=line + "print('still here')") for line in ZYGOTES.values()])
     assert (attacked.status, attacked.stdout, attacked.attempts) == (OK, "done\n", 1)
-    assert (after.status, after.stdout, after.attempts) == (OK, "still here\n", 1)
+    for result in after:
+        assert (result.status, result.stdout, result.attempts) == (OK, "still here\n", 1)
 
 
-def test_a_running_job_shares_its_worker_with_no_other_process(backend):
-    """While a job runs, its worker holds the zygote, the supervisor and the job: no
+@from_each_zygote
+def test_a_running_job_shares_its_worker_with_no_other_process(backend, first_line):
+    """While a job runs, its worker holds the server's processes and the job: no
     earlier job's process and no child forked for a later job, which the job user
     could reach (or the reset's kill(-1) would find)."""
-    census = (
+    census = first_line + (
         "import os\n"
         "pids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
         "print(len(pids), sorted(os.stat(f'/proc/{p}').st_uid for p in pids))\n"
     )
     with Sandbox(backend=backend, workers=1) as sb:
         results = sb.run([Job(code=census)] * 5)
+    servers = server_processes(backend)
     for result in results:
         count, uids = result.stdout.split(" ", 1)
-        assert result.status == OK and count == "3", result.stdout
-        assert json.loads(uids)[:2] == [0, 0], result.stdout  # the zygote, the supervisor
+        assert result.status == OK and int(count) == servers + 1, result.stdout
+        assert json.loads(uids)[:servers] == [0] * servers, result.stdout  # root's

@@ -6,6 +6,8 @@ import threading
 import time
 import uuid
 
+import pytest
+
 from rstar_sandbox import (
     MEMORY_LIMIT,
     OK,
@@ -15,7 +17,9 @@ from rstar_sandbox import (
     Job,
     Sandbox,
 )
+from rstar_sandbox.server import needs_preloaded
 from tests.conftest import host_processes_matching
+from tests.sandbox.conftest import has_lean_zygote
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 
@@ -38,6 +42,38 @@ def test_ordinary_outcomes(sandbox):
         "ValueError: boom"
     )
     assert (exit3.status, exit3.exit_code, exit3.stdout) == (RUNTIME_ERROR, 3, "bye\n")
+
+
+@pytest.mark.parametrize(
+    ("source", "preloaded"),
+    [
+        ("print(1)", False),
+        ("import sys, os.path as p\nfrom collections import deque\n", False),
+        ("from __future__ import annotations\nimport math  # not numpy\n", False),
+        ("x = 'import numpy'\n", False),
+        ("import os, numpy as np\n", True),
+        ("def f():\n    from numpy.linalg import inv\n", True),
+        ("import scipy.optimize\n", True),  # not the standard library: it may import numpy
+        ('"""\nimport numpy\n"""\n', True),  # a docstring: the scan errs on the safe side
+    ],
+)
+def test_which_jobs_go_to_the_zygote_that_preloaded_numpy(source, preloaded):
+    assert needs_preloaded(source, frozenset({"numpy"})) is preloaded
+
+
+def test_jobs_find_numpy_preloaded_only_where_they_import_it(sandbox):
+    check = "import sys\nprint('numpy' in sys.modules)\n"
+    lean, preloaded, dynamic = sandbox.run(
+        [
+            Job(code=check),
+            Job(code=check + "import numpy\n"),
+            Job(code=check + "print(__import__('numpy').arange(4).sum())\n"),  # unseen: slower
+        ]
+    )
+    in_lean = str(not has_lean_zygote(sandbox.backend))
+    assert (lean.status, lean.stdout) == (OK, f"{in_lean}\n")
+    assert (preloaded.status, preloaded.stdout) == (OK, "True\n")
+    assert (dynamic.status, dynamic.stdout) == (OK, f"{in_lean}\n6\n")
 
 
 def test_run_many_keeps_input_order(sandbox):
