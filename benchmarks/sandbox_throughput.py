@@ -1,5 +1,6 @@
 """Sandbox throughput benchmark: jobs/s and p50/p99 latency at 1, 2, 8 and 64 clients,
-for a trivial snippet and a ~50 ms CPU-bound one, with two baselines in the same run
+for a trivial snippet, the same with numpy imported and a ~50 ms CPU-bound one, with the
+CPU each job costs (and, for Docker, its page faults), two baselines in the same run
 (`docker run --rm` per job, a fresh host interpreter per job), and the per-job cost of
 the hardening steps measured in a worker-like container.
 
@@ -18,6 +19,7 @@ import argparse
 from rstar_sandbox import Sandbox
 from rstar_sandbox.bench import (
     HEADER,
+    NUMPY_TRIVIAL,
     TRIVIAL,
     bench_docker_run,
     bench_fresh_interpreter,
@@ -41,6 +43,7 @@ def main() -> None:
     parser.add_argument("--clients", default="1,2,8,64", help="comma-separated client counts")
     parser.add_argument("--repeat", type=int, default=1, help="measure every row this often")
     parser.add_argument("--trivial-jobs", type=int, default=2000)
+    parser.add_argument("--numpy-jobs", type=int, default=500)
     parser.add_argument("--cpu-jobs", type=int, default=200)
     parser.add_argument("--baseline-jobs", type=int, default=40)
     parser.add_argument("--no-baselines", action="store_true")
@@ -58,7 +61,11 @@ def main() -> None:
     preload = tuple(filter(None, args.preload.split(",")))
     with Sandbox(backend=args.backend, workers=args.workers, preload=preload) as sb:
         cpu = cpu_bound_snippet(sb)
-        snippets = {"trivial": (TRIVIAL, args.trivial_jobs), "CPU ~50 ms": (cpu, args.cpu_jobs)}
+        snippets = {
+            "trivial": (TRIVIAL, args.trivial_jobs),
+            "trivial, imports numpy": (NUMPY_TRIVIAL, args.numpy_jobs),
+            "CPU ~50 ms": (cpu, args.cpu_jobs),
+        }
         for _ in range(args.repeat):
             for row in bench_pool(sb, snippets, clients):
                 record(row)

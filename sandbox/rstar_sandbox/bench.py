@@ -2,7 +2,10 @@
 
 Each client is a thread that submits one job at a time and waits for its result, as
 an MCTS expansion or a verification step does; jobs/s is over all clients together.
-Baselines: a `docker run --rm` per job, and a fresh host interpreter per job.
+Baselines: a `docker run --rm` per job, and a fresh host interpreter per job. For the
+pool, the CPU a job costs is measured too (it does not depend on what else runs on the
+machine, unlike jobs/s): in this process (the pool and its clients) and, for the Docker
+backend, in the worker containers, with their page faults.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -22,6 +26,7 @@ from rstar_sandbox.jobs import Job
 from rstar_sandbox.pool import Sandbox
 
 TRIVIAL = "a, b = map(int, input().split())\nprint(a + b)\n"
+NUMPY_TRIVIAL = "import numpy as np\n" + TRIVIAL.replace("a + b", "np.add(a, b)")
 TRIVIAL_STDIN = "1 2\n"
 
 
@@ -52,18 +57,55 @@ class Measurement:
     p50_ms: float
     p99_ms: float
     failures: int
+    cost: JobCost | None = None
 
     def row(self) -> str:
+        cost = self.cost.cells() if self.cost else "| | | |"
         return (
             f"| {self.system} | {self.snippet} | {self.clients} | {self.jobs} | "
-            f"{self.jobs_per_s:.0f} | {self.p50_ms:.1f} | {self.p99_ms:.1f} | {self.failures} |"
+            f"{self.jobs_per_s:.0f} | {self.p50_ms:.1f} | {self.p99_ms:.1f} | {self.failures} "
+            f"{cost}"
         )
 
 
 HEADER = (
-    "| system | snippet | clients | jobs | jobs/s | p50 ms | p99 ms | failed |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| system | snippet | clients | jobs | jobs/s | p50 ms | p99 ms | failed "
+    "| host CPU µs/job | worker CPU µs/job | page faults/job |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
+
+
+@dataclass
+class JobCost:
+    """CPU per job in this process (pool and clients) and, for Docker, in the workers."""
+
+    host_cpu_us: float
+    worker_cpu_us: float | None
+    page_faults: float | None
+
+    def cells(self) -> str:
+        def cell(value: float | None) -> str:
+            return "" if value is None else f"{value:.0f}"
+
+        return (
+            f"| {cell(self.host_cpu_us)} | {cell(self.worker_cpu_us)} | {cell(self.page_faults)} |"
+        )
+
+
+def _process_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _container_counters(containers) -> tuple[int, int]:
+    """The containers' CPU nanoseconds and page faults so far."""
+    cpu_ns = faults = 0
+    for container in containers:
+        stats = container.stats(stream=False, one_shot=True)
+        cpu_ns += stats["cpu_stats"]["cpu_usage"]["total_usage"]
+        memory = stats["memory_stats"].get("stats", {})
+        faults += memory.get("total_pgfault", memory.get("pgfault", 0))  # cgroup v1, v2
+    return cpu_ns, faults
 
 
 def _drive(run_one: Callable[[], bool], clients: int, jobs: int) -> tuple[float, list[float], int]:
@@ -107,17 +149,26 @@ def _measure(system: str, snippet: str, clients: int, jobs: int, run_one) -> Mea
 
 
 def bench_pool(sb: Sandbox, snippets: dict[str, tuple[str, int]], clients: list[int]):
+    containers = [w.container for w in sb.live_workers() if hasattr(w, "container")]
     for name, (code, jobs) in snippets.items():
         job = Job(code=code, stdin=TRIVIAL_STDIN, timeout_s=10.0)
         sb.run([job] * sb.workers)  # warm up
         for n in clients:
-            yield _measure(
+            workers_before = _container_counters(containers) if containers else None
+            host_before = _process_cpu_s()
+            row = _measure(
                 f"rstar_sandbox ({sb.backend}, {sb.workers} workers)",
                 name,
                 n,
                 jobs,
                 lambda job=job: sb.run([job])[0].ok,
             )
+            row.cost = JobCost((_process_cpu_s() - host_before) * 1e6 / row.jobs, None, None)
+            if workers_before is not None:
+                cpu_ns, faults = _container_counters(containers)
+                row.cost.worker_cpu_us = (cpu_ns - workers_before[0]) / 1e3 / row.jobs
+                row.cost.page_faults = (faults - workers_before[1]) / row.jobs
+            yield row
 
 
 def bench_fresh_interpreter(python: str, code: str, name: str, clients: int, jobs: int):

@@ -265,6 +265,10 @@ class Sandbox:
         """One program over many inputs."""
         return self.run([Job(code=code, stdin=stdin, **limits) for stdin in stdins])
 
+    def live_workers(self) -> list[Worker]:
+        """The workers now running (for benchmarks and drills)."""
+        return list(self._live.values())
+
     def kill_worker(self, index: int) -> None:
         """Kill one worker's server abruptly, as a crash would (for tests and drills)."""
         self._live[index].kill()
