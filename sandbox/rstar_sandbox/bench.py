@@ -270,7 +270,8 @@ for _ in range(N):
 plain = server.Zygote(job_uid, syscall_filter=False)
 filtered = server.Zygote(job_uid, syscall_filter=True)
 drop = in_children(plain, server.Zygote._drop_privileges)
-print(f"reset after a job (kill(-1) as the job user, empty /tmp and /dev/shm): {p10(reset):.1f} us")
+print(f"reset after a job (kill(-1) as the job user, a look at /proc, empty /tmp and /dev/shm): "
+      f"{p10(reset):.1f} us")
 print(f"job child drops privileges (OOM score, gid, uid, dumpable): {drop:.1f} us; "
       f"with the syscall filter (process backend): "
       f"{in_children(filtered, server.Zygote._drop_privileges):.1f} us")
