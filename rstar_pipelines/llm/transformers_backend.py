@@ -59,6 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.cache_utils import DynamicCache
 
 from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
+from rstar_kernels.hf import cache_argument
 
 from .decode_loop import (
     GeneratedTextStopCriteria,
@@ -321,10 +322,11 @@ class TransformersLLM:
         """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
         starts with, computed once and repeated for the batch's `rows`: an MCTS batch's prompts
         share a few-shot preamble of about 800 tokens, which was computed for each of them."""
-        self._model.get_decoder()(
+        decoder = self._model.get_decoder()
+        decoder(
             input_ids=prefix,
             position_ids=torch.arange(prefix.shape[1], device=prefix.device)[None],
-            cache=cache,
+            **cache_argument(decoder, cache),
             use_cache=True,
         )
         cache.batch_repeat_interleave(rows)
@@ -340,11 +342,12 @@ class TransformersLLM:
             return
         mask = attention_mask[:, :-1]
         # The decoder alone: the prefill needs no logits.
-        self._model.get_decoder()(
+        decoder = self._model.get_decoder()
+        decoder(
             input_ids=input_ids[:, start:-1],
             attention_mask=mask,
             position_ids=first_positions(mask)[:, start:],
-            cache=cache,
+            **cache_argument(decoder, cache),
             use_cache=True,
         )
 
