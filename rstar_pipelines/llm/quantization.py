@@ -43,10 +43,13 @@ def default_device(device: str | None) -> str:
 
 
 def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
-    """The scheme a model loads with: the one given, else "int8" for the embedded model on a
-    CPU and "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
+    """The scheme a model loads with: the one given, else "int8" on a CPU for the embedded
+    model and the checkpoints trained from it (so an evaluation compares them decoded alike),
+    "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
     if quantization is None:
-        return "int8" if model == "embedded" and device == "cpu" else "none"
+        from .embedded import trained_from_embedded
+
+        return "int8" if device == "cpu" and trained_from_embedded(model) else "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"

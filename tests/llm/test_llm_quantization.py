@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.llm.int8_linear import Int8Linear
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.resource import LLMResource
@@ -19,8 +21,20 @@ from rstar_pipelines.pipeline.item_cache import ItemCache
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 
-def test_int8_by_default_only_for_the_embedded_model_on_a_cpu():
+def test_int8_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cpu(tmp_path):
     assert resolve_quantization(None, "embedded", "cpu") == "int8"
+    # A checkpoint trained from it, and one trained from that, decode as it does.
+    sft, grpo, other = tmp_path / "sft", tmp_path / "grpo", tmp_path / "other"
+    for directory, base in ((sft, "embedded"), (grpo, str(sft)), (other, "/models/qwen")):
+        directory.mkdir()
+        (directory / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": base}))
+    assert resolve_quantization(None, str(grpo), "cpu") == "int8"
+    assert resolve_quantization(None, str(grpo), "cuda") == "none"
+    assert resolve_quantization(None, str(other), "cpu") == "none"
+    (other / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": str(other)}))
+    assert resolve_quantization(None, str(other), "cpu") == "none"  # a loop ends
+    (other / TRAINING_CONFIG_FILE).write_text("not json")
+    assert resolve_quantization(None, str(other), "cpu") == "none"
     assert resolve_quantization(None, "embedded", "cuda") == "none"
     assert resolve_quantization(None, "/models/qwen", "cpu") == "none"
     assert resolve_quantization("none", "embedded", "cpu") == "none"
