@@ -73,6 +73,7 @@ from .decode_loop import (
 )
 from .embedded import embedded_model_path
 from .gguf import converted_dir
+from .int8_linear import kernel_for_batch
 from .kv_cache import PreallocatedLayer, preallocated_cache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
@@ -269,19 +270,21 @@ class TransformersLLM:
             self._model, self._generation_config(params), input_ids.shape[1], input_ids.device
         )
         stops = StopStrings(self._tokenizer, params.stop, len(input_ids)) if params.stop else None
-        return decode(
-            self._model,
-            input_ids,
-            attention_mask,
-            cache,
-            max_new_tokens=params.max_tokens,
-            pick=pick,
-            seeds=seeds,
-            eos_ids=self._eos_ids,
-            stops=stops,
-            # SeerAttention-R keeps per-row compressed keys outside the cache.
-            drop_finished=not self._seer,
-        )
+        # One int8 kernel for the whole call: rows leaving the batch change no other row.
+        with kernel_for_batch(self._model, len(input_ids)):
+            return decode(
+                self._model,
+                input_ids,
+                attention_mask,
+                cache,
+                max_new_tokens=params.max_tokens,
+                pick=pick,
+                seeds=seeds,
+                eos_ids=self._eos_ids,
+                stops=stops,
+                # SeerAttention-R keeps per-row compressed keys outside the cache.
+                drop_finished=not self._seer,
+            )
 
     def _generate_with_generate(
         self,
