@@ -39,6 +39,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale", scale)
         # The same integers for the matmul: exact, |q| <= 127 fits bfloat16's 8-bit significand.
         self.register_buffer("weight_bf16", rounded.to(torch.bfloat16), persistent=False)
+        self.register_buffer("scale_float", scale.float(), persistent=False)
         self.bias = linear.bias
         # The rows that choose the kernel: None, each call's own; set by `kernel_for_batch`.
         self.batch_rows: int | None = None
@@ -47,7 +48,7 @@ class Int8Linear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         if (self.batch_rows or rows.shape[0]) >= GEMM_ROWS:
             sums = torch.nn.functional.linear(rows, self.weight_bf16)
-            out = (sums.float() * self.scale.float()).to(x.dtype)
+            out = torch.mul(sums, self.scale_float).to(x.dtype)  # float32 by type promotion
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
             out = out.to(x.dtype)
