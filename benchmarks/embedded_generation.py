@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from rstar_kernels.hf import cache_argument
 from rstar_pipelines.llm import SamplingParams
 from rstar_pipelines.llm.kv_cache import preallocated_cache
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
@@ -110,7 +111,11 @@ def run_bare(llm: TransformersLLM, prompts: list, params: SamplingParams, steps:
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = preallocated_cache(model.config, width + steps)
     logits = model(
-        input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        input_ids=ids,
+        attention_mask=mask,
+        position_ids=positions,
+        **cache_argument(model, cache),
+        use_cache=True,
     ).logits[:, -1]
     copies = params.n if params.temperature > 0 else 1
     if copies > 1:
@@ -124,7 +129,11 @@ def run_bare(llm: TransformersLLM, prompts: list, params: SamplingParams, steps:
         mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=-1)
         position = position + 1
         logits = model(
-            input_ids=token, attention_mask=mask, position_ids=position, cache=cache, use_cache=True
+            input_ids=token,
+            attention_mask=mask,
+            position_ids=position,
+            **cache_argument(model, cache),
+            use_cache=True,
         ).logits[:, -1]
     _pick(logits, params)
     return time.perf_counter() - start

@@ -31,6 +31,7 @@ the position id of its first valid token. Where this departs from the paper / up
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Any
 
@@ -245,3 +246,11 @@ def enable_seer_decoding(
         backend=backend,
         start_layer=start_layer,
     )
+
+
+def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
+    """The keyword that hands `model` its key/value cache: `cache` from transformers 5.24 on
+    (`past_key_values` is deprecated there), `past_key_values` before; an unknown keyword would
+    be swallowed by the model's **kwargs and the cache silently left unfilled."""
+    parameters = inspect.signature(type(model).forward).parameters
+    return {"cache" if "cache" in parameters else "past_key_values": cache}

@@ -13,15 +13,19 @@ def teacher_forced_logits(model, ids: torch.Tensor, prefill: int) -> torch.Tenso
     (with seer decoding enabled, every step after the prefill is a sparse decode step)."""
     from transformers import DynamicCache
 
+    from .hf import cache_argument
+
     if not 1 <= prefill < ids.shape[0]:
         raise ValueError(f"prefill must be in [1, {ids.shape[0] - 1}] for {ids.shape[0]} tokens")
     cache = DynamicCache(config=model.config)
     ids = ids.to(model.device)
     with torch.inference_mode():
-        out = model(input_ids=ids[None, :prefill], cache=cache, use_cache=True)
+        out = model(input_ids=ids[None, :prefill], **cache_argument(model, cache), use_cache=True)
         logits = [out.logits[0, -1]]
         for t in range(prefill, ids.shape[0] - 1):
-            out = model(input_ids=ids[None, t : t + 1], cache=cache, use_cache=True)
+            out = model(
+                input_ids=ids[None, t : t + 1], **cache_argument(model, cache), use_cache=True
+            )
             logits.append(out.logits[0, -1])
     return torch.stack(logits).float()
 

@@ -37,10 +37,11 @@ def load_llm(backend: str = "transformers", model: str | None = None, **options:
     """Build an LLM.
 
     - transformers: `model` defaults to "embedded"; options batch_size, device, dtype,
-      quantization ("none" or "int8"; default int8 for the embedded model on a CPU), and for
-      SeerAttention-R sparse decoding sparse_attention="seer", gate_checkpoint (a SeerGates.save
-      directory), token_budget (default 4096) or sparse_threshold, sparse_backend ("torch",
-      "triton", "tilelang"; default "triton" on CUDA, else "torch").
+      quantization ("none" or "int8"; default int8 on a CPU for the embedded model and the
+      checkpoints trained from it), and for SeerAttention-R sparse decoding
+      sparse_attention="seer", gate_checkpoint (a SeerGates.save directory), token_budget
+      (default 4096) or sparse_threshold, sparse_backend ("torch", "triton", "tilelang";
+      default "triton" on CUDA, else "torch").
     - openai: options base_url (required: one server, e.g. http://127.0.0.1:8000/v1, several
       comma-separated, or a list), api_key, max_concurrency (sequences in flight per server),
       n_per_request, max_retries, timeout; `model` defaults to the first model the servers list.

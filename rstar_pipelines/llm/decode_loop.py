@@ -35,6 +35,8 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import StoppingCriteria
 
+from rstar_kernels.hf import cache_argument
+
 # Rows are dropped once this share of the batch has finished.
 DROP_SHARE = 0.25
 # The fewest prompt tokens every prompt of a batch must start with for them to be run once.
@@ -266,7 +268,7 @@ def decode(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=step_positions,
-            past_key_values=cache,
+            **cache_argument(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]

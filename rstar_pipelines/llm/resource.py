@@ -48,7 +48,7 @@ class LLMResource(dg.ConfigurableResource):
     device: str | None = None
     dtype: str | None = None
     # Weights of the transformers backend: "none" or "int8" (linear layers as int8, on the CPU);
-    # unset: int8 for the embedded model on a CPU, none otherwise.
+    # unset: int8 on a CPU for the embedded model and checkpoints trained from it, else none.
     quantization: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
     # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.

@@ -59,6 +59,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.cache_utils import DynamicCache
 
 from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
+from rstar_kernels.hf import cache_argument
 
 from .decode_loop import (
     GeneratedTextStopCriteria,
@@ -72,6 +73,7 @@ from .decode_loop import (
 )
 from .embedded import embedded_model_path
 from .gguf import converted_dir
+from .int8_linear import kernel_for_batch
 from .kv_cache import PreallocatedLayer, preallocated_cache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
@@ -268,19 +270,21 @@ class TransformersLLM:
             self._model, self._generation_config(params), input_ids.shape[1], input_ids.device
         )
         stops = StopStrings(self._tokenizer, params.stop, len(input_ids)) if params.stop else None
-        return decode(
-            self._model,
-            input_ids,
-            attention_mask,
-            cache,
-            max_new_tokens=params.max_tokens,
-            pick=pick,
-            seeds=seeds,
-            eos_ids=self._eos_ids,
-            stops=stops,
-            # SeerAttention-R keeps per-row compressed keys outside the cache.
-            drop_finished=not self._seer,
-        )
+        # One int8 kernel for the whole call: rows leaving the batch change no other row.
+        with kernel_for_batch(self._model, len(input_ids)):
+            return decode(
+                self._model,
+                input_ids,
+                attention_mask,
+                cache,
+                max_new_tokens=params.max_tokens,
+                pick=pick,
+                seeds=seeds,
+                eos_ids=self._eos_ids,
+                stops=stops,
+                # SeerAttention-R keeps per-row compressed keys outside the cache.
+                drop_finished=not self._seer,
+            )
 
     def _generate_with_generate(
         self,
@@ -321,10 +325,11 @@ class TransformersLLM:
         """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
         starts with, computed once and repeated for the batch's `rows`: an MCTS batch's prompts
         share a few-shot preamble of about 800 tokens, which was computed for each of them."""
-        self._model.get_decoder()(
+        decoder = self._model.get_decoder()
+        decoder(
             input_ids=prefix,
             position_ids=torch.arange(prefix.shape[1], device=prefix.device)[None],
-            cache=cache,
+            **cache_argument(decoder, cache),
             use_cache=True,
         )
         cache.batch_repeat_interleave(rows)
@@ -340,11 +345,12 @@ class TransformersLLM:
             return
         mask = attention_mask[:, :-1]
         # The decoder alone: the prefill needs no logits.
-        self._model.get_decoder()(
+        decoder = self._model.get_decoder()
+        decoder(
             input_ids=input_ids[:, start:-1],
             attention_mask=mask,
             position_ids=first_positions(mask)[:, start:],
-            cache=cache,
+            **cache_argument(decoder, cache),
             use_cache=True,
         )
 

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
+from rstar_pipelines.llm.quantization import default_device, resolve_quantization
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
 from rstar_pipelines.pipeline.stage import (
@@ -228,7 +229,9 @@ class AttnGateEvaluation(Stage):
     """attn_gate_checkpoint's gates on its base model, sparse decoding against dense at each
     token budget, on the held-out split: texts it never trained on (their verified solutions,
     and held-out code seeds with an oracle solution) decoded under teacher forcing (KL to dense,
-    top-1 agreement), and the greedy answers to the held-out math problems (accuracy)."""
+    top-1 agreement), and the greedy answers to the held-out math problems (accuracy). The base
+    model runs with the weights it decodes with everywhere else (`resolve_quantization`'s
+    default: int8 for the embedded model on a CPU), dense and sparse alike."""
 
     Params = GateEvalParams
     schema = schemas.ATTN_GATE_EVAL
@@ -250,17 +253,20 @@ class AttnGateEvaluation(Stage):
                 "with an oracle solution) and no verified math problem to decode"
             )
         loaded: list[tuple[Any, Any, Any]] = []
+        # The weights the base model decodes with everywhere else (int8 for the embedded model
+        # on a CPU): part of every item's key.
+        quantization = resolve_quantization(None, base, default_device(None))
 
         def model():
             if not loaded:
                 from rstar_kernels.gate import SeerGates
                 from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 
-                lm, tokenizer = load_model_and_tokenizer(base)
+                lm, tokenizer = load_model_and_tokenizer(base, quantization=quantization)
                 loaded.append((lm, tokenizer, SeerGates.load(gates_path, device=lm.device)))
             return loaded[0]
 
-        setting = [gates_path, base, p.backend, p.budgets]
+        setting = [gates_path, base, quantization, p.backend, p.budgets]
         text_items = ctx.cache.map(
             texts,
             lambda t: fingerprint(setting, p.max_length, p.prefill_fraction, t["messages"]),
@@ -280,6 +286,7 @@ class AttnGateEvaluation(Stage):
             metadata={
                 "gates": gates_path,
                 "base_model": base,
+                "quantization": quantization,
                 "texts": len(texts),
                 "math_problems": len(math),
                 "comparison": markdown_table(

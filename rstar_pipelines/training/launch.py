@@ -136,8 +136,13 @@ def accelerate_command(config_path: Path, config: RunConfig) -> list[str]:
         "--dynamo_backend",
         "no",
     ]
-    if config.num_threads is not None:
-        command += ["--num_cpu_threads_per_process", str(config.num_threads)]
+    threads = config.num_threads
+    if threads is None and path is None:
+        # Untold, accelerate runs each process with OMP_NUM_THREADS=1: one core of the
+        # machine's, and a CPU training job half as fast as it could be on two.
+        threads = max(1, len(os.sched_getaffinity(0)) // launch.processes)
+    if threads is not None:
+        command += ["--num_cpu_threads_per_process", str(threads)]
     return [*command, "-m", "rstar_pipelines.training.run", str(config_path)]
 
 

@@ -206,6 +206,8 @@ def run(config_path: Path, log: Callable[[str], Any]) -> None:
     started = time.monotonic()
     metrics = train(config, train_config, rows, log)
     if _rank()[0] == 0:
+        import torch
+
         record = {
             "job": config.job,
             "base_model": config.base_model,
@@ -213,6 +215,7 @@ def run(config_path: Path, log: Callable[[str], Any]) -> None:
             "launch": config.launch.model_dump(),
             # This process's time on the job (loading, training, saving) unless the job says.
             "seconds": round(time.monotonic() - started, 3),
+            "cpu_threads": torch.get_num_threads(),  # torch's, in each process
             **metrics,
         }
         (config.output_dir / METRICS_FILE).write_text(json.dumps(record, indent=2) + "\n")

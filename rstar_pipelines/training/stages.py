@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
+from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.pipeline.plots import line_plot
 from rstar_pipelines.pipeline.stage import (
     CheckOutcome,
@@ -52,7 +53,10 @@ class TrainingParams(StageParams):
 
     launch: LaunchConfig = LaunchConfig()
     num_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads per training process"
+        None,
+        ge=1,
+        description="torch CPU threads per training process (default: the machine's CPUs "
+        "shared among its processes; with an accelerate_config, what that config says)",
     )
 
 
@@ -122,9 +126,10 @@ class TrainingStage(Stage):
         with job_directory(root, fingerprint(job, data)) as out:
             (out / "train_data.parquet").write_bytes(data)
             config = {**job, "data": str(out / "train_data.parquet"), "output_dir": str(out)}
-            (out / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+            config_file = out / TRAINING_CONFIG_FILE
+            config_file.write_text(json.dumps(config, indent=2))
             ctx.run_process(
-                [sys.executable, "-m", "rstar_pipelines.training.launch", str(out / CONFIG_FILE)]
+                [sys.executable, "-m", "rstar_pipelines.training.launch", str(config_file)]
             )
             metrics = json.loads((out / METRICS_FILE).read_text())
         return self._result(ctx, out, base, metrics)
@@ -195,9 +200,6 @@ class PPMCheckpoint(TrainingStage):
 
     def base_model(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> str:
         return policy_checkpoint_path(inputs)
-
-
-CONFIG_FILE = "train_config.json"
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:

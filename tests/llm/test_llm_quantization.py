@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,8 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from rstar_pipelines.llm import SamplingParams, load_llm
-from rstar_pipelines.llm.int8_linear import Int8Linear
+from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
+from rstar_pipelines.llm.int8_linear import GEMM_ROWS, Int8Linear, kernel_for_batch
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
@@ -19,8 +21,20 @@ from rstar_pipelines.pipeline.item_cache import ItemCache
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 
-def test_int8_by_default_only_for_the_embedded_model_on_a_cpu():
+def test_int8_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cpu(tmp_path):
     assert resolve_quantization(None, "embedded", "cpu") == "int8"
+    # A checkpoint trained from it, and one trained from that, decode as it does.
+    sft, grpo, other = tmp_path / "sft", tmp_path / "grpo", tmp_path / "other"
+    for directory, base in ((sft, "embedded"), (grpo, str(sft)), (other, "/models/qwen")):
+        directory.mkdir()
+        (directory / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": base}))
+    assert resolve_quantization(None, str(grpo), "cpu") == "int8"
+    assert resolve_quantization(None, str(grpo), "cuda") == "none"
+    assert resolve_quantization(None, str(other), "cpu") == "none"
+    (other / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": str(other)}))
+    assert resolve_quantization(None, str(other), "cpu") == "none"  # a loop ends
+    (other / TRAINING_CONFIG_FILE).write_text("not json")
+    assert resolve_quantization(None, str(other), "cpu") == "none"
     assert resolve_quantization(None, "embedded", "cuda") == "none"
     assert resolve_quantization(None, "/models/qwen", "cpu") == "none"
     assert resolve_quantization("none", "embedded", "cpu") == "none"
@@ -43,11 +57,19 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     assert (layer.weight_int8.abs().amax(dim=1) >= 126).all()  # every row uses its range
     x = torch.randn(5, 3, 64)
     want = F.linear(x.bfloat16().float(), dequantized, linear.bias)
-    got = layer(x)
-    assert got.shape == (5, 3, 48) and got.dtype == torch.float32
-    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-    # Weight-only: a row's result does not depend on the rest of its batch.
-    assert torch.equal(layer(x[2:3]), got[2:3])
+    by_kernel = {}
+    for rows in (1, GEMM_ROWS):  # the row kernel, then the matmul
+        with kernel_for_batch(layer, rows):
+            got = by_kernel[rows] = layer(x)
+            assert got.shape == (5, 3, 48) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+            # Weight-only: under one kernel a row's result does not depend on its batch.
+            assert torch.equal(layer(x[2:3]), got[2:3])
+    # The two kernels differ by the one rounding of their sums to bfloat16.
+    torch.testing.assert_close(by_kernel[1], by_kernel[GEMM_ROWS], rtol=8e-3, atol=1e-2)
+    # Unpinned, each call's rows choose: 15 rows the matmul, 1 the row kernel.
+    assert torch.equal(layer(x), by_kernel[GEMM_ROWS])
+    assert torch.equal(layer(x[2:3, :1]), by_kernel[1][2:3, :1])
 
 
 def test_a_quantized_model_stays_close_to_float32(tiny_base):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -24,7 +25,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from rstar_kernels.gate import GateConfig, SeerGates, capture_pre_rope
-from rstar_kernels.hf import enable_seer_decoding
+from rstar_kernels.hf import cache_argument, enable_seer_decoding
 from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.llm.int8_linear import Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
@@ -88,6 +89,25 @@ def sequence():
     return ids.masked_fill(mask == 0, 0), mask, (t - starts[:, None]).clamp(min=0), starts
 
 
+def test_the_cache_goes_by_the_keyword_the_installed_model_takes(tiny):
+    """transformers 5.24 renamed `past_key_values` to `cache`; a model of either side swallows
+    the other name in its **kwargs and would run without the cache it was handed."""
+
+    class Before:
+        def forward(self, input_ids, past_key_values=None, **kwargs): ...
+
+    class After:
+        def forward(self, input_ids, cache=None, **kwargs): ...
+
+    cache = object()
+    assert cache_argument(Before(), cache) == {"past_key_values": cache}
+    assert cache_argument(After(), cache) == {"cache": cache}
+    model = tiny[2]
+    for module in (model, model.get_decoder()):
+        (name,) = cache_argument(module, cache)
+        assert name in inspect.signature(type(module).forward).parameters
+
+
 @torch.no_grad()
 def step_logits(model, ids, mask, positions, width=WIDTH):
     """Logits [B, T - width + 1, V]: a prefill of ids[:, :width], then one token per forward."""
@@ -105,7 +125,7 @@ def step_logits(model, ids, mask, positions, width=WIDTH):
             input_ids=ids[:, t : t + 1],
             attention_mask=mask[:, : t + 1],
             position_ids=positions[:, t : t + 1],
-            cache=cache,
+            **cache_argument(model, cache),
             use_cache=True,
         )
         logits.append(out.logits[:, -1])

@@ -25,7 +25,9 @@ from rstar_pipelines import settings
 from rstar_pipelines.math.steps import TAGS
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
+from rstar_pipelines.training.launch import accelerate_command
 from rstar_pipelines.training.ppm import ProcessPreferenceModel
+from rstar_pipelines.training.run import RunConfig
 from tests.conftest import REPO
 from tests.training.test_ppm import separable_pairs
 
@@ -99,12 +101,29 @@ def test_two_cpu_processes_train_as_one_with_twice_the_batch(one_process, tiny_b
     metrics = json.loads((tmp_path / "out" / "training_metrics.json").read_text())
     single = one_process["metrics"]
     assert (metrics["processes"], single["processes"]) == (2, 1)
+    assert metrics["cpu_threads"] == single["cpu_threads"] == 1  # as the config says
     assert metrics["steps"] == single["steps"] == STEPS
     # The same examples each step (2 per rank), the same token-mean loss: the same curve.
     assert metrics["losses"] == pytest.approx(single["losses"], rel=2e-3, abs=2e-3)
     assert single["losses"][-1] < 0.5 * single["losses"][0]
     two, one = weights(tmp_path / "out"), weights(one_process["out"])
     assert all(torch.allclose(two[k], one[k], atol=2e-3) for k in one)
+
+
+def test_untold_the_processes_share_the_machines_cpus(tmp_path):
+    """accelerate alone would run each CPU process on one thread (OMP_NUM_THREADS=1)."""
+    cpus = len(os.sched_getaffinity(0))
+
+    def threads(**fields) -> str:
+        config = RunConfig(
+            job="sft", base_model="base", data=tmp_path, output_dir=tmp_path, **fields
+        )
+        command = accelerate_command(tmp_path / "config.json", config)
+        return command[command.index("--num_cpu_threads_per_process") + 1]
+
+    assert threads() == str(cpus)
+    assert threads(launch={"processes": 2}) == str(max(1, cpus // 2))
+    assert threads(num_threads=3) == "3"
 
 
 def _descendants(pid: int) -> list[int]:
