@@ -175,11 +175,10 @@ def test_a_killed_job_resumes_when_materialized_again(one_process, tiny_base, tm
     text = text.replace("  policy: null", f"  policy: {tiny_base}").replace(
         declared, f"      train: {train}\n      num_threads: 1\n"
     )
-    text = text.replace(
-        '      launch: {processes: 1, mixed_precision: "no", save_steps: 50}\n',
-        "      launch: {processes: 1, save_steps: 4}\n",
-        1,
-    )
+    declared_launch = "      launch: {processes: 1, mixed_precision: bf16, save_steps: 50}\n"
+    assert declared_launch in text
+    # float32, as the uninterrupted run it is compared with, and a checkpoint every 4 steps.
+    text = text.replace(declared_launch, "      launch: {processes: 1, save_steps: 4}\n", 1)
     spec = tmp_path / "pipeline.yaml"
     spec.write_text(text)
     rows = [{"id": f"s{i}", "source": "mcts", **r} for i, r in enumerate(sft_rows())]
