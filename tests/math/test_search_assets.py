@@ -189,14 +189,16 @@ def _write_upstream(batch: str) -> None:
 @pytest.fixture
 def two_rounds(tmp_path, tiny_base):
     text = (REPO / "assets" / "pipeline.yaml").read_text()
-    text = text.replace("rounds: 1", "rounds: 2").replace(
-        "  policy: null", f"  policy: {tiny_base}"
-    )
-    text = text.replace("rollouts: 3", "rollouts: 4")
-    text = text.replace("errors_threshold: 2", "errors_threshold: 1")
-    text = text.replace("max_depth: 6", "max_depth: 4").replace(
-        "min_edit_distance: 20", "min_edit_distance: 5"
-    )
+    for declared, here in (
+        ("rounds: 1", "rounds: 2"),
+        ("  policy: null", f"  policy: {tiny_base}"),
+        ("rollouts: 5", "rollouts: 4"),
+        ("errors_threshold: 2", "errors_threshold: 1"),
+        ("max_depth: 6", "max_depth: 4"),
+        ("min_edit_distance: 20", "min_edit_distance: 5"),
+    ):
+        assert declared in text, f"pipeline.yaml no longer declares {declared!r}"
+        text = text.replace(declared, here)
     path = tmp_path / "pipeline.yaml"
     path.write_text(text)
     spec = load_spec(path)
