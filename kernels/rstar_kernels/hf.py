@@ -31,6 +31,7 @@ the position id of its first valid token. Where this departs from the paper / up
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 from typing import Any
@@ -252,5 +253,11 @@ def cache_argument(model: Any, cache: Any) -> dict[str, Any]:
     """The keyword that hands `model` its key/value cache: `cache` from transformers 5.24 on
     (`past_key_values` is deprecated there), `past_key_values` before; an unknown keyword would
     be swallowed by the model's **kwargs and the cache silently left unfilled."""
-    parameters = inspect.signature(type(model).forward).parameters
-    return {"cache" if "cache" in parameters else "past_key_values": cache}
+    return {_cache_keyword(type(model)): cache}
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    # Once per class: reading the signature costs ~20 us, and decode loops ask every step.
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
