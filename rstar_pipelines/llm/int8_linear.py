@@ -1,10 +1,10 @@
 """The int8 linear layer of `quantization="int8"` (module `quantization` says why this kernel).
 
 `aten._weight_int8pack_mm` runs a batch row by row: on this 2-core CPU its time grows with the
-rows (the LM head: 4.5 ms at 1 row, 26 at 16, 92 at 48, one thread), where a bfloat16 matmul
-over the same integers grows far slower (8, 12, 26 ms) but costs twice as much at one row, its
-weights being twice the bytes (docs/benchmarks.md, "int8 kernels"). So a layer runs the row
-kernel for few rows and the matmul from `GEMM_ROWS` on. Both compute the same products of
+rows (the LM head: 5.4 ms at 1 row, 37 at 16, 86 at 48, one thread), where a bfloat16 matmul
+over the same integers grows far slower (8, 23, 36 ms) but costs more at one row, its weights
+being twice the bytes (`benchmarks/int8_kernels.py`; docs/benchmarks.md, "int8 kernels"). So a
+layer runs the row kernel for few rows and the matmul from `GEMM_ROWS` on. Both compute the same products of
 bfloat16 activations and int8 weights with float32 sums, rounded once to bfloat16; they differ
 by that rounding. A decode call pins one kernel for all its steps (`kernel_for_batch`), so rows
 that leave the batch change no other row's numbers.
