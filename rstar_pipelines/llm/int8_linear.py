@@ -6,8 +6,8 @@ over the same integers grows far slower (8, 23, 36 ms) but costs more at one row
 being twice the bytes (`benchmarks/int8_kernels.py`; docs/benchmarks.md, "int8 kernels"). So a
 layer runs the row kernel for few rows and the matmul from `GEMM_ROWS` on. Both compute the
 same products of bfloat16 activations and int8 weights with float32 sums, rounded once to
-bfloat16; they differ by that rounding. A decode call pins one kernel for all its steps (`kernel_for_batch`), so rows
-that leave the batch change no other row's numbers.
+bfloat16; they differ by that rounding. A decode call pins one kernel for all its steps
+(`kernel_for_batch`), so rows that leave the batch change no other row's numbers.
 """
 
 from __future__ import annotations
