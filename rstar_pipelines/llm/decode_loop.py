@@ -199,14 +199,13 @@ class RowSeeds:
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     """How many leading tokens all `prompts` have in common and can be run once for all of
-    them (a few-shot preamble, a chat's system turn): 0 below MIN_SHARED_PREFIX or for a single
-    prompt; every prompt keeps at least one token of its own, which gives its first logits."""
-    if len(prompts) < 2:
-        return 0
+    them (a few-shot preamble, a chat's system turn; a lone prompt's tokens but the last): 0
+    below MIN_SHARED_PREFIX. Every prompt keeps at least one token of its own, which gives its
+    first logits."""
     limit = min(len(p) for p in prompts) - 1
     first = prompts[0]
     length = 0
-    while length < limit and all(p[length] == first[length] for p in prompts):
+    while length < limit and all(p[length] == first[length] for p in prompts[1:]):
         length += 1
     return length if length >= MIN_SHARED_PREFIX else 0
 

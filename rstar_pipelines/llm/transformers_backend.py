@@ -13,7 +13,10 @@ What to know about its behaviour:
   completions of one scheme are never taken for another's.
 - Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
   so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
-  a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`) run once.
+  a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's
+  tokens but the last) run once, and only from where the model's stored prefixes stop: each
+  batch's shared prefix is kept for later calls (module `prefix_cache`, 512 MiB a model), so an
+  MCTS expansion computes only the step its tree added since the last one.
 - Every sampled row draws from a random stream of its own (`decode_loop.RowSeeds`), seeded from
   `params.seed`, its prompt and its copy: the same seed, prompts and params give the same
   completions, and a prompt draws the same random numbers whatever else is in the call or the
@@ -50,6 +53,7 @@ What to know about its behaviour:
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -75,6 +79,7 @@ from .embedded import embedded_model_path
 from .gguf import converted_dir
 from .int8_linear import kernel_for_batch
 from .kv_cache import PreallocatedLayer, preallocated_cache
+from .prefix_cache import PrefixCache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
 from .sparse import SeerSettings
@@ -82,6 +87,8 @@ from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, tru
 
 _loaded: dict[tuple[str, str | None, str, str, str, SeerSettings | None], tuple[Any, Any]] = {}
 _loading = threading.Lock()
+# The stored prompt prefixes of each loaded model, shared by every TransformersLLM over it.
+_prefix_caches: weakref.WeakKeyDictionary[Any, PrefixCache] = weakref.WeakKeyDictionary()
 
 
 def _resolve(model: str) -> tuple[str, str | None]:
@@ -154,21 +161,32 @@ class TransformersLLM:
         quantization = resolve_quantization(quantization, model, device)
         loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer, quantization)
         name = f"transformers:{model}{quantization_tag(quantization)}" + (seer.tag if seer else "")
-        self._set_model(loaded, tokenizer, name, batch_size)
+        with _loading:
+            prefixes = _prefix_caches.setdefault(loaded, PrefixCache())
+        self._set_model(loaded, tokenizer, name, batch_size, prefixes)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, *, name: str, batch_size: int = 8) -> TransformersLLM:
         """An LLM over a model already in memory, such as one being trained: every generate()
         call uses its weights as they are then. The call runs the model in eval mode and puts
-        it back in the mode it found it in."""
+        it back in the mode it found it in. Its weights change, so no prefix is kept between
+        calls."""
         llm = cls.__new__(cls)
-        llm._set_model(model, tokenizer, name, batch_size)
+        llm._set_model(model, tokenizer, name, batch_size, None)
         return llm
 
-    def _set_model(self, model: Any, tokenizer: Any, name: str, batch_size: int) -> None:
+    def _set_model(
+        self,
+        model: Any,
+        tokenizer: Any,
+        name: str,
+        batch_size: int,
+        prefix_cache: PrefixCache | None,
+    ) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.name = name
+        self.prefix_cache = prefix_cache
         self.batch_size = batch_size
         self._model, self._tokenizer = model, tokenizer
         config = model.generation_config
@@ -323,15 +341,30 @@ class TransformersLLM:
 
     def _prefill_shared_prefix(self, prefix: torch.Tensor, cache: DynamicCache, rows: int) -> None:
         """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
-        starts with, computed once and repeated for the batch's `rows`: an MCTS batch's prompts
-        share a few-shot preamble of about 800 tokens, which was computed for each of them."""
-        decoder = self._model.get_decoder()
-        decoder(
-            input_ids=prefix,
-            position_ids=torch.arange(prefix.shape[1], device=prefix.device)[None],
-            **cache_argument(decoder, cache),
-            use_cache=True,
-        )
+        starts with, repeated for the batch's `rows`: computed once for the batch (an MCTS
+        batch's prompts share a few-shot preamble of about 800 tokens, which was computed for each
+        of them), and only from where the model's stored prefixes stop (module
+        `prefix_cache`)."""
+        tokens = prefix[0].tolist()
+        store = self.prefix_cache
+        reused, stored = store.longest(tokens) if store is not None else (0, None)
+        if stored is not None:
+            for layer, (keys, values) in zip(cache.layers, stored, strict=True):
+                layer.update(keys[:, :, :reused], values[:, :, :reused])
+        if reused < len(tokens):
+            decoder = self._model.get_decoder()
+            decoder(
+                input_ids=prefix[:, reused:],
+                position_ids=torch.arange(reused, len(tokens), device=prefix.device)[None],
+                **cache_argument(decoder, cache),
+                use_cache=True,
+            )
+            if store is not None:
+                store.put(
+                    tokens, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
+                )
+        if store is not None:
+            store.count(reused, len(tokens) - reused)
         cache.batch_repeat_interleave(rows)
 
     def _shared_prefill(

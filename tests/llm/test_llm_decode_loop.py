@@ -111,6 +111,7 @@ def test_a_shared_preamble_runs_once_and_changes_no_completion(embedded_fp32_llm
     preamble = "You solve problems step by step. " * 6  # well over MIN_SHARED_PREFIX tokens
     prompts = [preamble + q for q in ("What is 2 + 3?", "Name a color.", "Count to five:")]
     assert decode_loop.shared_prefix_length([_ids(llm, p) for p in prompts]) >= 32
+    llm.prefix_cache.clear()  # nothing stored by earlier tests: the preamble is computed here
     seen = []
     hook = llm._model.get_decoder().register_forward_pre_hook(
         lambda _, args, kwargs: seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
@@ -126,6 +127,56 @@ def test_a_shared_preamble_runs_once_and_changes_no_completion(embedded_fp32_llm
     assert together == [llm.generate([p], params)[0] for p in prompts]
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=12, seed=5)
     assert llm.generate(prompts, sampled)[1] == llm.generate([prompts[1]], sampled)[0]
+
+
+def test_a_prompt_that_extends_an_earlier_one_computes_only_its_new_tokens(embedded_fp32_llm):
+    # An MCTS expansion: the next prompt is the last one plus a step. float32, so the prefix
+    # taken from the store and the one computed whole agree to float precision.
+    llm = embedded_fp32_llm
+    store = llm.prefix_cache
+    first = "Solve step by step. Question: a farmer has 12 cows and buys 7 more. " * 3
+    second = first + "Step 1: he had 12 cows. Step 2:"
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    sampled = SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=3)
+    store.clear()
+    alone = [llm.generate([second], p) for p in (greedy, sampled)]
+    store.clear()
+    llm.generate([first], greedy)
+    assert len(store) == 1
+    seen = []
+    hook = llm._model.get_decoder().register_forward_pre_hook(
+        lambda _, args, kwargs: seen.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+    try:
+        after = llm.generate([second], greedy)
+    finally:
+        hook.remove()
+    ids = _ids(llm, second)
+    reused = len(_ids(llm, first)) - 1  # the first call stored its prompt but the last token
+    assert decode_loop.MIN_SHARED_PREFIX <= reused
+    assert seen == [len(ids) - 1 - reused, *[1] * (len(seen) - 1)]  # only the new tokens
+    assert [after, llm.generate([second], sampled)] == alone
+    assert len(store) == 1  # the longer prompt replaced the one it extends
+
+
+def test_a_model_being_trained_keeps_no_prefixes(tiny_base):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rstar_pipelines.llm.transformers_backend import TransformersLLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_base)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_base)
+    llm = TransformersLLM.wrap(model, tokenizer, name="trained")
+    prompt = "one two three four five six seven eight nine ten " * 6
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    llm.generate([prompt], greedy)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.mul_(-1.0)  # an optimizer step, a large one
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    fresh = model.generate(ids, max_new_tokens=6, do_sample=False)[0, ids.shape[1] :]
+    assert llm.prefix_cache is None
+    assert llm.generate([prompt], greedy)[0][0].text == tokenizer.decode(fresh)
 
 
 def _ids(llm, prompt: str) -> list[int]:
