@@ -3,9 +3,9 @@ the embedded model, over the calls of one MCTS tree path.
 
     python benchmarks/prefix_cache.py [--rounds 3] [--depth 6] [--n 4] [--max-tokens 64]
 
-A path as the search walks it: the bootstrap prompt over the longest demo math problem, then
-`--depth` expansions, each prompt the last one plus the step the model wrote (its first sample)
-and `n` samples of the next step. The prompts are made once; both ways then replay them on one
+A path as the search walks it, `--depth` calls: the bootstrap prompt over the longest demo math
+problem, then each prompt the last one plus the step the model wrote (its first sample); every
+call samples `n` next steps. The prompts are made once; both ways then replay them on one
 loaded model, alternating, the store emptied before each replay. Prints Markdown for
 docs/benchmarks.md. Not a test: figures depend on the machine.
 """
@@ -59,8 +59,10 @@ def main() -> None:
                 counts = store.reused_tokens - reused, store.computed_tokens - computed
     lengths = [len(llm._tokenizer(p)["input_ids"]) for p in path]
     print(f"machine: {machine()}")
-    print(f"path: {len(path)} calls, prompts of {lengths} tokens, n={args.n}, "
-          f"max_tokens={args.max_tokens}")
+    print(
+        f"path: {len(path)} calls, prompts of {lengths} tokens, n={args.n}, "
+        f"max_tokens={args.max_tokens}"
+    )
     print(f"prefix tokens with the store: {counts[0]} reused, {counts[1]} computed\n")
     print("| prefixes | seconds per path (median) | all rounds | seconds per call |")
     print("| --- | --- | --- | --- |")

@@ -153,7 +153,7 @@ def test_a_prompt_that_extends_an_earlier_one_computes_only_its_new_tokens(embed
         hook.remove()
     ids = _ids(llm, second)
     reused = len(_ids(llm, first)) - 1  # the first call stored its prompt but the last token
-    assert decode_loop.MIN_SHARED_PREFIX <= reused
+    assert reused >= decode_loop.MIN_SHARED_PREFIX
     assert seen == [len(ids) - 1 - reused, *[1] * (len(seen) - 1)]  # only the new tokens
     assert [after, llm.generate([second], sampled)] == alone
     assert len(store) == 1  # the longer prompt replaced the one it extends

@@ -21,27 +21,27 @@ PREAMBLE = list(range(100, 100 + MIN_SHARED_PREFIX))
 
 def test_the_longest_common_prefix_is_found_and_extended_entries_are_replaced():
     store = PrefixCache()
-    store.put(PREAMBLE + [1, 2, 3], states(PREAMBLE + [1, 2, 3]))
-    store.put(PREAMBLE + [7, 8], states(PREAMBLE + [7, 8]))
-    length, found = store.longest(PREAMBLE + [1, 2, 9, 9])
+    store.put([*PREAMBLE, 1, 2, 3], states([*PREAMBLE, 1, 2, 3]))
+    store.put([*PREAMBLE, 7, 8], states([*PREAMBLE, 7, 8]))
+    length, found = store.longest([*PREAMBLE, 1, 2, 9, 9])
     assert length == len(PREAMBLE) + 2
-    assert found[1][0][0, 0, :length, 0].tolist() == [t + 1 for t in PREAMBLE + [1, 2]]
-    store.put(PREAMBLE + [1, 2, 3, 4], states(PREAMBLE + [1, 2, 3, 4]))
+    assert found[1][0][0, 0, :length, 0].tolist() == [t + 1 for t in [*PREAMBLE, 1, 2]]
+    store.put([*PREAMBLE, 1, 2, 3, 4], states([*PREAMBLE, 1, 2, 3, 4]))
     assert len(store) == 2  # it replaced the entry it extends, not the branch beside it
-    assert store.longest(PREAMBLE + [7, 8, 5])[0] == len(PREAMBLE) + 2
+    assert store.longest([*PREAMBLE, 7, 8, 5])[0] == len(PREAMBLE) + 2
 
 
 def test_too_short_a_match_is_no_match():
     store = PrefixCache()
     store.put(PREAMBLE, states(PREAMBLE))
-    assert store.longest(PREAMBLE[:-1] + [0]) == (0, None)
+    assert store.longest([*PREAMBLE[:-1], 0]) == (0, None)
     assert store.longest([5, 6, 7]) == (0, None)
 
 
 def test_the_least_recently_used_entries_go_past_the_byte_limit():
-    one = 2 * 2 * len(PREAMBLE + [0]) * 4  # layers x (keys, values) x positions x float32
+    one = 2 * 2 * len([*PREAMBLE, 0]) * 4  # layers x (keys, values) x positions x float32
     store = PrefixCache(max_bytes=2 * one)
-    a, b, c = (PREAMBLE + [n] for n in (1, 2, 3))
+    a, b, c = ([*PREAMBLE, n] for n in (1, 2, 3))
     store.put(a, states(a))
     store.put(b, states(b))
     store.longest(a)  # a is used again, so b is now the oldest

@@ -428,19 +428,25 @@ def test_rollouts_sample_outside_the_trainers_autocast(tiny_base):
     # accelerate wraps a bf16-mixed-precision model's forward in autocast; the rollouts run the
     # model's own float32 forward and leave the wrapper in place for the loss.
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
     from rstar_pipelines.training.grpo import _without_autocast
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base)
     ids = torch.tensor([[1, 5, 9, 13, 17]])
-    with torch.no_grad():
-        exact = model(input_ids=ids).logits
-        model = Accelerator(cpu=True, mixed_precision="bf16").prepare_model(model)
-        autocast = model(input_ids=ids).logits
-        with _without_autocast(model):
-            inside = model(input_ids=ids).logits
-        after = model(input_ids=ids).logits
+    # accelerate keeps one state per process: the trainers of other tests set theirs.
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        with torch.no_grad():
+            exact = model(input_ids=ids).logits
+            model = Accelerator(cpu=True, mixed_precision="bf16").prepare_model(model)
+            autocast = model(input_ids=ids).logits
+            with _without_autocast(model):
+                inside = model(input_ids=ids).logits
+            after = model(input_ids=ids).logits
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert not torch.equal(autocast, exact)
     assert torch.equal(inside, exact)
     assert torch.equal(after, autocast)
