@@ -116,6 +116,12 @@ def seeds_add(path: Path, batch: str | None) -> None:
 QUIET_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
+# Not $DAGSTER_HOME/logs: that is Dagster's telemetry directory, whose files `dagster dev`
+# moves away to upload them to Dagster's telemetry server (even with telemetry disabled in
+# dagster.yaml), so `make dev` after the demo took the demo's event log.
+EVENT_LOG_DIR = "event_logs"
+
+
 @main.command()
 def demo() -> None:
     """Materialize the whole declared graph for the demo seed batch."""
@@ -130,7 +136,9 @@ def demo() -> None:
     add_seed_batch(demo_file)
     instance = _instance()
     event_log = (
-        Path(os.environ["DAGSTER_HOME"]) / "logs" / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        Path(os.environ["DAGSTER_HOME"])
+        / EVENT_LOG_DIR
+        / f"demo-{time.strftime('%Y%m%d-%H%M%S')}.log"
     )
     click.echo(f"Dagster's full event log: {event_log}")
     with progress.console():

@@ -61,6 +61,13 @@ class DemoRun:
     returncode: int
     output: str
 
+    @property
+    def event_log(self) -> Path:
+        """The file the demo says Dagster's full event log went to."""
+        prefix = "Dagster's full event log: "
+        line = next(line for line in self.output.splitlines() if line.startswith(prefix))
+        return Path(line.removeprefix(prefix))
+
     def use(self, monkeypatch) -> None:
         """Point this test's Dagster instance and data directory at the demo's."""
         monkeypatch.setenv("DAGSTER_HOME", str(self.home))

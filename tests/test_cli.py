@@ -27,8 +27,7 @@ def test_demo_console_fits_a_screen_per_stage(demo):
     file it names, and the runs are the code location's named jobs."""
     assert demo.returncode == 0, demo.output[-3000:]
     lines = demo.output.splitlines()
-    log_line = next(line for line in lines if line.startswith("Dagster's full event log: "))
-    event_log = Path(log_line.split(": ", 1)[1])
+    event_log = demo.event_log
     assert event_log.is_relative_to(demo.home) and event_log.stat().st_size > 0
     events = event_log.read_text()
     assert "STEP_SUCCESS" in events and "ASSET_MATERIALIZATION" in events
