@@ -30,7 +30,8 @@ import torch
 from .decode_loop import MIN_SHARED_PREFIX
 
 # One store per loaded model: 512 MiB is about 11,000 tokens of the embedded model's cache
-# (46 KiB a token in float32), an MCTS round's open tree paths several times over.
+# (45 KiB a token in float32), the demo search's eight open tree paths (about 6,400 tokens)
+# with room to spare.
 DEFAULT_MAX_BYTES = 512 * 2**20
 
 LayerStates = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, L, D]
