@@ -28,6 +28,7 @@ import torch
 
 from rstar_kernels.quality import kl_and_agreement
 from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.decode_loop import common_prefix_length
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 from rstar_sandbox.bench import machine
@@ -35,11 +36,6 @@ from tests.conftest import SHARED_DATA
 
 MATH500 = SHARED_DATA / "math500_test.json"  # read where it lives, never copied
 ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    shorter = min(len(a), len(b))
-    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 @torch.inference_mode()
@@ -85,7 +81,7 @@ def main() -> None:
         rows.append(
             {
                 "identical": fp32.text == int8.text,
-                "prefix": common_prefix(reference, quantized) / max(len(reference), 1),
+                "prefix": common_prefix_length(reference, quantized) / max(len(reference), 1),
                 "top1": agree,
                 "kl": kl,
                 "same_answer": same_answer(*answers),

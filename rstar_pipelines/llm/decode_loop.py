@@ -203,11 +203,15 @@ def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
     below MIN_SHARED_PREFIX. Every prompt keeps at least one token of its own, which gives its
     first logits."""
     limit = min(len(p) for p in prompts) - 1
-    first = prompts[0]
-    length = 0
-    while length < limit and all(p[length] == first[length] for p in prompts[1:]):
-        length += 1
+    length = min(common_prefix_length(prompts[0], p) for p in prompts)
+    length = min(length, limit)
     return length if length >= MIN_SHARED_PREFIX else 0
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    shorter = min(len(a), len(b))
+    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 def padded_batch(

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .decode_loop import MIN_SHARED_PREFIX
+from .decode_loop import MIN_SHARED_PREFIX, common_prefix_length
 
 # One store per loaded model: 512 MiB is about 11,000 tokens of the embedded model's cache
 # (45 KiB a token in float32), the demo search's eight open tree paths (about 6,400 tokens)
@@ -35,12 +35,6 @@ from .decode_loop import MIN_SHARED_PREFIX
 DEFAULT_MAX_BYTES = 512 * 2**20
 
 LayerStates = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [1, H, L, D]
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
-    shorter = min(len(a), len(b))
-    return next((i for i in range(shorter) if a[i] != b[i]), shorter)
 
 
 class PrefixCache:
