@@ -1,7 +1,9 @@
-"""Generation speed of the embedded model on the CPU: float32 against int8 weights through the
-transformers backend, and the backend against a bare decode loop over the same weights.
+"""Generation speed of the embedded model on the CPU: float32 against int8 and int4 weights
+through the transformers backend, and the backend against a bare decode loop over the same
+weights.
 
-    python benchmarks/embedded_generation.py [--rounds 3] [--max-tokens 128]
+    python benchmarks/embedded_generation.py [--rounds 3] [--max-tokens 128] \
+        [--schemes none,int8,int4]
 
 Five workloads, each one `generate()` call: 1 and 16 sequences, greedy and sampled (temperature
 0.8, top_p 0.95, seed 0), and the demo's `candidate_solutions` call (8 problems, 3 samples each).
@@ -147,17 +149,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument(
+        "--schemes", default="none,int8,int4", help="quantizations, comma-separated"
+    )
     args = parser.parse_args()
+    schemes = args.schemes.split(",")
     load_before = load_average()
     loading = {}
     systems = {}
-    for quantization in ("none", "int8"):
+    for quantization in schemes:
         start = time.perf_counter()
         systems[quantization] = TransformersLLM(
             "embedded", batch_size=16, device="cpu", quantization=quantization
         )
         loading[quantization] = time.perf_counter() - start
-    names = {"none": "backend, float32", "int8": "backend, int8"}
+    names = {q: f"backend, {'float32' if q == 'none' else q}" for q in schemes}
     rates: dict[tuple[str, str], list[float]] = {}
     ratios: dict[tuple[str, str], list[float]] = {}
     for _ in range(args.rounds):
@@ -184,9 +190,13 @@ def main() -> None:
             f"{min(values):.1f}-{max(values):.1f} | {shown} |"
         )
     for workload in WORKLOADS:
-        fp32 = statistics.median(rates[(workload.name, names["none"])])
-        int8 = statistics.median(rates[(workload.name, names["int8"])])
-        print(f"\n{workload.name}: int8 / float32 = {int8 / fp32:.2f}", end="")
+        median = {q: statistics.median(rates[(workload.name, names[q])]) for q in schemes}
+        pairs = [(a, b) for a in schemes for b in schemes if schemes.index(b) < schemes.index(a)]
+        shown = ", ".join(
+            f"{names[a].split(', ')[1]} / {names[b].split(', ')[1]} = {median[a] / median[b]:.2f}"
+            for a, b in pairs
+        )
+        print(f"\n{workload.name}: {shown}", end="")
     print()
 
 

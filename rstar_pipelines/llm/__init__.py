@@ -37,8 +37,8 @@ def load_llm(backend: str = "transformers", model: str | None = None, **options:
     """Build an LLM.
 
     - transformers: `model` defaults to "embedded"; options batch_size, device, dtype,
-      quantization ("none" or "int8"; default int8 on a CPU for the embedded model and the
-      checkpoints trained from it), and for SeerAttention-R sparse decoding
+      quantization ("none", "int8" or "int4"; default int4 on a CPU for the embedded model
+      and the checkpoints trained from it), and for SeerAttention-R sparse decoding
       sparse_attention="seer", gate_checkpoint (a SeerGates.save directory), token_budget
       (default 4096) or sparse_threshold, sparse_backend ("torch", "triton", "tilelang";
       default "triton" on CUDA, else "torch").

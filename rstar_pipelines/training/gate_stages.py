@@ -231,7 +231,7 @@ class AttnGateEvaluation(Stage):
     and held-out code seeds with an oracle solution) decoded under teacher forcing (KL to dense,
     top-1 agreement), and the greedy answers to the held-out math problems (accuracy). The base
     model runs with the weights it decodes with everywhere else (`resolve_quantization`'s
-    default: int8 for the embedded model on a CPU), dense and sparse alike."""
+    default: int4 for the embedded model on a CPU), dense and sparse alike."""
 
     Params = GateEvalParams
     schema = schemas.ATTN_GATE_EVAL
@@ -253,7 +253,7 @@ class AttnGateEvaluation(Stage):
                 "with an oracle solution) and no verified math problem to decode"
             )
         loaded: list[tuple[Any, Any, Any]] = []
-        # The weights the base model decodes with everywhere else (int8 for the embedded model
+        # The weights the base model decodes with everywhere else (int4 for the embedded model
         # on a CPU): part of every item's key.
         quantization = resolve_quantization(None, base, default_device(None))
 

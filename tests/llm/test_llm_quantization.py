@@ -1,4 +1,5 @@
-"""int8 weights (`quantization="int8"`): the settings, the layer, the model, the cache keys."""
+"""Quantized weights (`quantization="int8"` and `"int4"`): the settings, the layers, the model,
+the cache keys."""
 
 from __future__ import annotations
 
@@ -12,8 +13,15 @@ from transformers import AutoModelForCausalLM
 
 from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
-from rstar_pipelines.llm.int8_linear import GEMM_ROWS, Int8Linear, kernel_for_batch
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
+from rstar_pipelines.llm.quantized_linear import (
+    GEMM_ROWS,
+    INT4_GEMM_ROWS,
+    INT4_GROUP,
+    Int4Linear,
+    Int8Linear,
+    kernel_for_batch,
+)
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
 from rstar_pipelines.pipeline.item_cache import ItemCache
@@ -21,14 +29,14 @@ from rstar_pipelines.pipeline.item_cache import ItemCache
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 
 
-def test_int8_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cpu(tmp_path):
-    assert resolve_quantization(None, "embedded", "cpu") == "int8"
+def test_int4_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cpu(tmp_path):
+    assert resolve_quantization(None, "embedded", "cpu") == "int4"
     # A checkpoint trained from it, and one trained from that, decode as it does.
     sft, grpo, other = tmp_path / "sft", tmp_path / "grpo", tmp_path / "other"
     for directory, base in ((sft, "embedded"), (grpo, str(sft)), (other, "/models/qwen")):
         directory.mkdir()
         (directory / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": base}))
-    assert resolve_quantization(None, str(grpo), "cpu") == "int8"
+    assert resolve_quantization(None, str(grpo), "cpu") == "int4"
     assert resolve_quantization(None, str(grpo), "cuda") == "none"
     assert resolve_quantization(None, str(other), "cpu") == "none"
     (other / TRAINING_CONFIG_FILE).write_text(json.dumps({"base_model": str(other)}))
@@ -39,8 +47,11 @@ def test_int8_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cp
     assert resolve_quantization(None, "/models/qwen", "cpu") == "none"
     assert resolve_quantization("none", "embedded", "cpu") == "none"
     assert resolve_quantization("int8", "/models/qwen", "cpu") == "int8"
-    with pytest.raises(ValueError, match="quantization must be one of none, int8, got 'int4'"):
-        resolve_quantization("int4", "embedded", "cpu")
+    assert resolve_quantization("int8", "embedded", "cpu") == "int8"
+    with pytest.raises(
+        ValueError, match="quantization must be one of none, int8, int4, got 'int2'"
+    ):
+        resolve_quantization("int2", "embedded", "cpu")
     with pytest.raises(ValueError, match="'int8' is for the CPU; embedded is on cuda"):
         resolve_quantization("int8", "embedded", "cuda")
 
@@ -72,17 +83,82 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     assert torch.equal(layer(x[2:3, :1]), by_kernel[1][2:3, :1])
 
 
-def test_a_quantized_model_stays_close_to_float32(tiny_base):
+def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
+    """A linear layer whose weights lie on a Q4_1 grid (`scale * q + min` per group of 32, with
+    each group's q spanning 0..15 as llama.cpp's quantizer makes it), scales and minimums chosen
+    so that the kernel's bfloat16 scale and zero hold them exactly."""
+    generator = torch.Generator().manual_seed(0)
+    groups = in_features // INT4_GROUP
+    q = torch.randint(0, 16, (out_features, groups, INT4_GROUP), generator=generator)
+    q[:, :, 0], q[:, :, 1] = 0, 15
+    exponent = torch.randint(-12, -2, (out_features, groups, 1), generator=generator)
+    scale = torch.exp2(exponent.float())  # a power of two: exact in bfloat16
+    minimum = -scale * torch.randint(0, 16, scale.shape, generator=generator)
+    linear = torch.nn.Linear(in_features, out_features)
+    with torch.no_grad():
+        linear.weight.copy_((scale * q + minimum).view(out_features, in_features))
+    return linear
+
+
+def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
+    linear = q4_1_layer(48, 3 * INT4_GROUP)
+    layer = Int4Linear(linear)
+    # Both kernels hold the layer's weights exactly: the matmul's as the dequantized grid, the
+    # int4 kernel's as its packed integers (read back through unit inputs, with the bias).
+    assert torch.equal(layer.weight_bf16.float(), linear.weight)
+    with kernel_for_batch(layer, 1), torch.no_grad():
+        unit = layer(torch.eye(3 * INT4_GROUP)) - linear.bias
+    torch.testing.assert_close(unit, linear.weight.T, rtol=0, atol=1e-6)
+    x = torch.randn(5, 3, 3 * INT4_GROUP)
+    want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
+    by_kernel = {}
+    for rows in (1, INT4_GEMM_ROWS):  # the int4 kernel, then the matmul
+        with kernel_for_batch(layer, rows):
+            got = by_kernel[rows] = layer(x)
+            assert got.shape == (5, 3, 48) and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+            assert torch.equal(layer(x[2:3]), got[2:3])  # a row's result: not its batch's
+    torch.testing.assert_close(by_kernel[1], by_kernel[INT4_GEMM_ROWS], rtol=8e-3, atol=1e-2)
+    # Unpinned, each call's rows choose: 15 rows the int4 kernel, as one row does.
+    assert torch.equal(layer(x), by_kernel[1])
+
+
+def test_int4_linear_rounds_other_weights_to_their_groups_grid():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(2 * INT4_GROUP, 32, bias=False)
+    with torch.no_grad():
+        linear.weight.mul_(torch.logspace(-2, 1, 32)[:, None])
+    layer = Int4Linear(linear)
+    scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [groups, out]
+    step = scale.T.repeat_interleave(INT4_GROUP, dim=1)
+    error = (layer.weight_bf16.float() - linear.weight).abs()
+    # Half a step from its grid point, and the grid's bfloat16 rounding on top.
+    assert (error <= step / 2 + linear.weight.abs() / 128).all()
+    # Each group's least and greatest weights are its grid's ends (q = 0 and q = 15).
+    groups = linear.weight.detach().view(32, -1, INT4_GROUP)
+    low = zero.T - 8 * scale.T
+    torch.testing.assert_close(low, groups.amin(-1), rtol=1e-2, atol=1e-6)
+    torch.testing.assert_close(low + 15 * scale.T, groups.amax(-1), rtol=1e-2, atol=1e-6)
+    with pytest.raises(ValueError, match="groups of 32 and outputs in 16s, not 40 -> 32"):
+        Int4Linear(torch.nn.Linear(40, 32))
+    assert not Int4Linear.fits(torch.nn.Linear(64, 24))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_quantized_model_stays_close_to_float32(tiny_base, scheme):
     model = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32).eval()
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=generator)
     with torch.inference_mode():
         reference = model(input_ids=ids).logits.log_softmax(-1)
-        quantized = quantize(model, "int8")
+        quantized = quantize(model, scheme)
         got = quantized(input_ids=ids).logits.log_softmax(-1)
     assert quantized is model
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+    # The LM head is int8 in both (the embedded file keeps it in 8 bits).
     assert isinstance(model.lm_head, Int8Linear)
+    layer = Int4Linear if scheme == "int4" else Int8Linear
+    assert isinstance(model.model.layers[0].mlp.down_proj, layer)
     difference = (got - reference).abs().max().item()
     assert 0 < difference < 0.05, difference  # quantized, and close (log-probabilities)
     assert (got.argmax(-1) == reference.argmax(-1)).float().mean() > 0.9
@@ -97,32 +173,39 @@ def test_only_float32_models_are_quantized(tiny_base):
 def test_the_backend_names_and_loads_each_scheme_apart(tiny_base):
     dense = load_llm("transformers", tiny_base, device="cpu")
     int8 = load_llm("transformers", tiny_base, device="cpu", quantization="int8")
+    int4 = load_llm("transformers", tiny_base, device="cpu", quantization="int4")
     assert dense.name == f"transformers:{tiny_base}"
     assert int8.name == f"transformers:{tiny_base}+int8"
-    assert int8._model is not dense._model
-    assert isinstance(int8._model.lm_head, Int8Linear)
+    assert int4.name == f"transformers:{tiny_base}+int4"
+    assert len({id(dense._model), id(int8._model), id(int4._model)}) == 3
+    assert isinstance(int8._model.model.layers[0].self_attn.q_proj, Int8Linear)
+    assert isinstance(int4._model.model.layers[0].self_attn.q_proj, Int4Linear)
     assert isinstance(dense._model.lm_head, torch.nn.Linear)
 
 
-def test_int8_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_path):
+def test_quantized_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_path):
     cache = ItemCache(tmp_path / "completions.sqlite", namespace="Generate@1")
     sampling = SamplingParams(temperature=0, max_tokens=6)
     names = []
-    for quantization in ("int8", "none", "int8", "none"):
+    for quantization in ("int8", "none", "int4", "int8", "none", "int4"):
         resource = LLMResource(model=tiny_base, device="cpu", quantization=quantization)
         context = SimpleNamespace(resource=lambda _, resource=resource: resource)
         stage_llm = StageLLM(SimpleNamespace(model=None), context)
         stage_llm.complete(PROMPTS, sampling, cache)
         names.append(stage_llm.name)
     # Each scheme computed its own completions once; the repeats found them.
-    assert (cache.misses, cache.hits) == (2 * len(PROMPTS), 2 * len(PROMPTS))
-    assert names[:2] == [f"transformers:{tiny_base}+int8", f"transformers:{tiny_base}"]
+    assert (cache.misses, cache.hits) == (3 * len(PROMPTS), 3 * len(PROMPTS))
+    assert names[:3] == [
+        f"transformers:{tiny_base}+int8",
+        f"transformers:{tiny_base}",
+        f"transformers:{tiny_base}+int4",
+    ]
 
 
 def test_the_resource_defaults_environment_and_refusals(monkeypatch):
     monkeypatch.delenv("RSTAR_LLM_QUANTIZATION", raising=False)
     monkeypatch.delenv("RSTAR_LLM_BACKEND", raising=False)
-    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int8"
+    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int4"
     assert LLMResource(device="cpu", quantization="none").model_id() == "transformers:embedded"
     monkeypatch.setenv("RSTAR_LLM_QUANTIZATION", "none")
     assert LLMResource(device="cpu").model_id() == "transformers:embedded"

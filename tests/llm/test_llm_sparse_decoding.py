@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rstar_kernels.gate import GateConfig, SeerGates, capture_pre_rope
 from rstar_kernels.hf import cache_argument, enable_seer_decoding
 from rstar_pipelines.llm import SamplingParams, load_llm
-from rstar_pipelines.llm.int8_linear import Int8Linear
+from rstar_pipelines.llm.quantized_linear import Int4Linear, Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
 
 BLOCK = 16
@@ -297,19 +297,21 @@ def test_generate_with_a_budget_covering_the_context_equals_dense(tiny):
     assert dense.generate(PROMPTS, greedy) == before
 
 
-def test_a_covering_budget_equals_dense_on_the_int8_model(tiny):
-    # The gates read the pre-RoPE q and k from the int8 projections, hooked after quantizing.
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_covering_budget_equals_dense_on_a_quantized_model(tiny, scheme):
+    # The gates read the pre-RoPE q and k from the quantized projections, hooked after quantizing.
     model_dir = tiny[0]
-    dense = load_llm("transformers", model_dir, batch_size=4, device="cpu", quantization="int8")
-    sparse = sparse_llm(tiny, token_budget=4096, sparse_backend="torch", quantization="int8")
-    assert sparse.name.startswith(f"transformers:{model_dir}+int8+seer(budget=4096,gates=")
-    assert isinstance(sparse._model.model.layers[0].self_attn.q_proj, Int8Linear)
+    dense = load_llm("transformers", model_dir, batch_size=4, device="cpu", quantization=scheme)
+    sparse = sparse_llm(tiny, token_budget=4096, sparse_backend="torch", quantization=scheme)
+    assert sparse.name.startswith(f"transformers:{model_dir}+{scheme}+seer(budget=4096,gates=")
+    layer = Int4Linear if scheme == "int4" else Int8Linear
+    assert isinstance(sparse._model.model.layers[0].self_attn.q_proj, layer)
     assert sparse._model.config._attn_implementation == "seer"
     greedy = SamplingParams(temperature=0, max_tokens=60)
     assert sparse.generate(PROMPTS, greedy) == dense.generate(PROMPTS, greedy)
-    # Not sampled completions: the sparse kernel's float rounding differs from SDPA's, int8's
-    # bfloat16 activations magnify it (up to about 0.1 in a logit), and a draw near the edge of
-    # a token's share of the mass moves; the float32 test above compares samples.
+    # Not sampled completions: the sparse kernel's float rounding differs from SDPA's, the
+    # quantized layers' bfloat16 activations magnify it (up to about 0.1 in a logit), and a draw
+    # near the edge of a token's share of the mass moves; the float32 test above compares samples.
     # Quantization changes the completions: these are not the float32 model's.
     float32 = load_llm("transformers", model_dir, batch_size=4, device="cpu")
     assert dense.generate(PROMPTS, greedy) != float32.generate(PROMPTS, greedy)

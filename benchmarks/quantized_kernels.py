@@ -1,0 +1,99 @@
+"""The kernels of the quantized layers on the embedded model's layer shapes: `Int8Linear`'s
+row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`,
+each against its bfloat16 matmul (what a layer runs from its `gemm_rows` on).
+
+    python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20]
+
+CPU milliseconds of one decode step (median of `--repeats`; CPU time of this thread, so the
+figures hold on a shared machine when `--threads 1`): the LM head (int8 in both schemes) and the
+30 decoder layers (q, k, v, o, gate, up, down of SmolLM2-135M) at 1 to 48 rows. Random weights
+of the real shapes: the kernels' time does not depend on the values. Each call reads weights
+that the previous calls left in the cache, so memory-bound few-row calls look faster than in a
+model, whose weights do not fit in the cache: `embedded_generation.py` measures whole steps.
+Prints Markdown for docs/benchmarks.md. Not a test: figures depend on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from rstar_pipelines.llm.quantized_linear import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    kernel_for_batch,
+)
+from rstar_sandbox.bench import load_average, machine
+
+HIDDEN, INTERMEDIATE, KV, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
+# (in, out) of each linear layer of one decoder layer: q, k, v, o, gate, up, down.
+LAYER_SHAPES = [
+    (HIDDEN, HIDDEN),
+    (HIDDEN, KV),
+    (HIDDEN, KV),
+    (HIDDEN, HIDDEN),
+    (HIDDEN, INTERMEDIATE),
+    (HIDDEN, INTERMEDIATE),
+    (INTERMEDIATE, HIDDEN),
+]
+ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+
+
+def cpu_ms(layer: QuantizedLinear, x: torch.Tensor, kernel_rows: int, repeats: int) -> float:
+    """Median CPU ms of one call with the kernel that `kernel_rows` rows choose."""
+    times = []
+    with kernel_for_batch(layer, kernel_rows), torch.inference_mode():
+        layer(x)  # first call: one-time set-up of the kernel for this shape
+        for _ in range(repeats):
+            start = time.thread_time()
+            layer(x)
+            times.append(time.thread_time() - start)
+    return statistics.median(times) * 1e3
+
+
+def step_ms(layers: list[QuantizedLinear], rows: int, matmul: bool, repeats: int) -> float:
+    """CPU ms of `layers` once each at `rows` rows, by the packed kernel or the matmul."""
+    kernel_rows = layers[0].gemm_rows if matmul else 1
+    return sum(
+        cpu_ms(layer, torch.randn(rows, layer.in_features), kernel_rows, repeats)
+        for layer in layers
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    head = [Int8Linear(torch.nn.Linear(HIDDEN, VOCAB, bias=False))]
+    linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
+    int8 = [Int8Linear(linear) for linear in linears]
+    int4 = [Int4Linear(linear) for linear in linears]
+    print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
+    print(
+        f"- load average: {load_average()}; median of {args.repeats}; matmul from "
+        f"{Int8Linear.gemm_rows} rows (int8), {Int4Linear.gemm_rows} (int4)"
+    )
+    print()
+    print(
+        "| rows | LM head, int8pack | LM head, bf16 matmul | 30 layers, int8pack "
+        "| 30 layers, int8 bf16 matmul | 30 layers, int4pack | 30 layers, int4 bf16 matmul |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for rows in ROWS:
+        cells = [step_ms(head, rows, matmul, args.repeats) for matmul in (False, True)]
+        for layers in (int8, int4):
+            cells += [
+                LAYERS * step_ms(layers, rows, matmul, args.repeats) for matmul in (False, True)
+            ]
+        print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,176 @@
+"""The quantized linear layers of `quantization="int8"` and `"int4"` (module `quantization` says
+which layers each scheme quantizes, and why these kernels).
+
+Each layer has two kernels over the same weights and picks one by the rows of a call: a
+weight-only kernel that reads the packed integers (fastest for few rows: decoding few rows is
+memory-bound on a CPU) and, from `gemm_rows` rows on, a bfloat16 matmul, which those kernels
+cannot match for many rows (`benchmarks/quantized_kernels.py`; docs/benchmarks.md). A decode call
+pins one kernel for all its steps (`kernel_for_batch`), so rows that leave the batch change no
+other row's numbers. Activations are bfloat16 in both kernels and never quantized, so under one
+kernel a row's result does not depend on the other rows of its batch.
+
+- `Int8Linear`: int8 weights, one scale per output row (symmetric, absmax / 127);
+  `aten._weight_int8pack_mm` runs a batch row by row (the LM head: 5.4 ms at 1 row, 37 at 16,
+  86 at 48, one thread), so the matmul takes over from 8 rows. Both kernels compute the same
+  products of bfloat16 activations and the int8 values with float32 sums; they differ by one
+  bfloat16 rounding of the sums.
+- `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the
+  layout of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder
+  layers ship in: fitted to each group's minimum and maximum, the groups land on the file's own
+  grid, up to the bfloat16 rounding of the scale and zero the kernel reads. Torch's
+  `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 and stays ahead of the
+  matmul up to about 24 rows, so the matmul, over the dequantized weights in bfloat16, takes
+  over from 32. The two kernels differ by the bfloat16 rounding of those weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+# From this many rows on, the bfloat16 matmul is faster (measured crossovers: 8 rows for int8,
+# 24-32 for int4, docs/benchmarks.md).
+GEMM_ROWS = 8
+INT4_GEMM_ROWS = 32
+INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
+INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
+
+
+class QuantizedLinear(torch.nn.Module):
+    """What the quantized layers share: the shapes, the bias, and the choice of kernel."""
+
+    gemm_rows = GEMM_ROWS
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.bias = linear.bias
+        # The rows that choose the kernel: None, each call's own; set by `kernel_for_batch`.
+        self.batch_rows: int | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
+        if (self.batch_rows or rows.shape[0]) >= self.gemm_rows:
+            out = self._matmul(rows)
+        else:
+            out = self._packed(rows)
+        out = out.to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """A linear layer with int8 weights and one bfloat16 scale per output row (symmetric,
+    absmax / 127), run on bfloat16 activations; the result comes back in the input's dtype and
+    the bias is added in it."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        amax = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny)
+        # The scale as the kernel reads it (bfloat16), so the weights round to that very grid.
+        scale = (amax / 127).to(torch.bfloat16)
+        rounded = torch.round(weight / scale.float()[:, None]).clamp(-127, 127)
+        self.register_buffer("weight_int8", rounded.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale)
+        # The same integers for the matmul: exact, |q| <= 127 fits bfloat16's 8-bit significand.
+        self.register_buffer("weight_bf16", rounded.to(torch.bfloat16), persistent=False)
+        self.register_buffer("scale_float", scale.float(), persistent=False)
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        sums = torch.nn.functional.linear(rows, self.weight_bf16)
+        return torch.mul(sums, self.scale_float)  # float32 by type promotion
+
+    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+class Int4Linear(QuantizedLinear):
+    """A linear layer with 4-bit weights in groups of `INT4_GROUP` inputs, each group with a
+    bfloat16 scale and zero (`w = (q - 8) * scale + zero`, the kernel's form of Q4_1's
+    `scale * q + min`), run on bfloat16 activations; the result comes back in the input's dtype
+    and the bias is added in it. Takes layers whose inputs are a multiple of `INT4_GROUP` and
+    outputs a multiple of `INT4_ROWS_MULTIPLE` (`fits`)."""
+
+    gemm_rows = INT4_GEMM_ROWS
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear) -> bool:
+        return (
+            linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_ROWS_MULTIPLE == 0
+        )
+
+    def __init__(self, linear: torch.nn.Linear):
+        if not self.fits(linear):
+            raise ValueError(
+                f"an int4 layer needs inputs in groups of {INT4_GROUP} and outputs in "
+                f"{INT4_ROWS_MULTIPLE}s, not {linear.in_features} -> {linear.out_features}"
+            )
+        super().__init__(linear)
+        weight = linear.weight.detach().float()
+        groups = weight.view(self.out_features, -1, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        tiny = torch.finfo(torch.bfloat16).tiny
+        # Scale and zero as the kernel reads them (bfloat16), and each weight rounded to the grid
+        # they make: a Q4_1 group's minimum and maximum are its q = 0 and q = 15.
+        scale = ((high - low) / 15).clamp(min=tiny).to(torch.bfloat16)
+        zero = (low + 8 * scale.float()).to(torch.bfloat16)
+        steps = (groups - zero.float()[..., None]) / scale.float()[..., None]
+        q = (torch.round(steps) + 8).clamp(0, 15)
+        self.register_buffer(
+            "weight_int4",
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                q.view(self.out_features, self.in_features).to(torch.int32), 1
+            ),
+        )
+        # [groups, out_features, 2], the kernel's layout.
+        self.register_buffer(
+            "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
+        )
+        dequantized = (q - 8) * scale.float()[..., None] + zero.float()[..., None]
+        self.register_buffer(
+            "weight_bf16",
+            dequantized.view(self.out_features, self.in_features).to(torch.bfloat16),
+            persistent=False,
+        )
+
+    def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(rows, self.weight_bf16)
+
+    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"int4 weights in groups of {INT4_GROUP}"
+        )
+
+
+@contextlib.contextmanager
+def kernel_for_batch(model: Any, rows: int) -> Iterator[None]:
+    """Within the block, every quantized layer of `model` runs the kernel for a batch of `rows`,
+    whatever the rows of each call (a decode loop whose finished rows leave the batch)."""
+    layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
+    for layer in layers:
+        layer.batch_rows = rows
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.batch_rows = None
