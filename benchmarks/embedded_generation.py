@@ -5,8 +5,9 @@ weights.
     python benchmarks/embedded_generation.py [--rounds 3] [--max-tokens 128] \
         [--schemes none,int8,int4]
 
-Five workloads, each one `generate()` call: 1 and 16 sequences, greedy and sampled (temperature
-0.8, top_p 0.95, seed 0), and the demo's `candidate_solutions` call (8 problems, 3 samples each).
+Seven workloads, each one `generate()` call: 1 and 16 sequences, greedy and sampled (temperature
+0.8, top_p 0.95, seed 0), and the demo's shapes: `candidate_solutions` calls of 8 and 16 problems
+with 3 samples each, and an MCTS expansion (1 prompt, 4 samples).
 The 16 greedy sequences are 16 demo math problems in one left-padded batch; the 16 sampled ones
 are n=16 samples of one problem (one shared prefill). Prompts are
 chats asking for a boxed answer; the stop string "<end_of_answer>" (the MCTS steps' own) is
@@ -61,6 +62,9 @@ WORKLOADS = (
     Workload("16 sequences, sampled", 1, 16),
     # Past the one-line arithmetic seeds, as the demo's stages meet the word problems.
     Workload("8 prompts x 3 samples (candidate_solutions)", 8, 3, offset=8),
+    # The demo's own shapes: a search expansion, and a full candidate_solutions batch.
+    Workload("1 prompt x 4 samples (an MCTS expansion)", 1, 4, offset=8),
+    Workload("16 prompts x 3 samples (candidate_solutions)", 16, 3, offset=8),
 )
 
 

@@ -103,7 +103,11 @@ class Int4Linear(QuantizedLinear):
     bfloat16 scale and zero (`w = (q - 8) * scale + zero`, the kernel's form of Q4_1's
     `scale * q + min`), run on bfloat16 activations; the result comes back in the input's dtype
     and the bias is added in it. Takes layers whose inputs are a multiple of `INT4_GROUP` and
-    outputs a multiple of `INT4_ROWS_MULTIPLE` (`fits`)."""
+    outputs a multiple of `INT4_ROWS_MULTIPLE` (`fits`).
+
+    The groups' scales and zeros are fitted to each group's minimum and maximum, or, with
+    `grid` (another layer's `scales_and_zeros`, of a model this one was trained from), taken
+    from it: the weights round to that grid, and those past its ends take its ends."""
 
     gemm_rows = INT4_GEMM_ROWS
 
@@ -113,7 +117,7 @@ class Int4Linear(QuantizedLinear):
             linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_ROWS_MULTIPLE == 0
         )
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, grid: torch.Tensor | None = None):
         if not self.fits(linear):
             raise ValueError(
                 f"an int4 layer needs inputs in groups of {INT4_GROUP} and outputs in "
@@ -122,12 +126,21 @@ class Int4Linear(QuantizedLinear):
         super().__init__(linear)
         weight = linear.weight.detach().float()
         groups = weight.view(self.out_features, -1, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        tiny = torch.finfo(torch.bfloat16).tiny
-        # Scale and zero as the kernel reads them (bfloat16), and each weight rounded to the grid
-        # they make: a Q4_1 group's minimum and maximum are its q = 0 and q = 15.
-        scale = ((high - low) / 15).clamp(min=tiny).to(torch.bfloat16)
-        zero = (low + 8 * scale.float()).to(torch.bfloat16)
+        if grid is not None:
+            if grid.shape != (groups.shape[1], self.out_features, 2):
+                raise ValueError(
+                    f"a grid of shape {tuple(grid.shape)} for a layer of "
+                    f"{self.in_features} -> {self.out_features}"
+                )
+            scale, zero = grid.transpose(0, 1).unbind(-1)
+        else:
+            low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+            tiny = torch.finfo(torch.bfloat16).tiny
+            # Scale and zero as the kernel reads them (bfloat16): a Q4_1 group's minimum and
+            # maximum are its q = 0 and q = 15.
+            scale = ((high - low) / 15).clamp(min=tiny).to(torch.bfloat16)
+            zero = (low + 8 * scale.float()).to(torch.bfloat16)
+        # Each weight rounded to the grid they make.
         steps = (groups - zero.float()[..., None]) / scale.float()[..., None]
         q = (torch.round(steps) + 8).clamp(0, 15)
         self.register_buffer(

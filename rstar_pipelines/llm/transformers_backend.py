@@ -77,7 +77,7 @@ from .decode_loop import (
     padded_batch,
     shared_prefix_length,
 )
-from .embedded import embedded_model_path
+from .embedded import embedded_model_path, trained_from_embedded
 from .gguf import converted_dir
 from .kv_cache import PreallocatedLayer, preallocated_cache
 from .prefix_cache import PrefixCache
@@ -88,7 +88,7 @@ from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
 
 _loaded: dict[tuple[str, str | None, str, str, str, SeerSettings | None], tuple[Any, Any]] = {}
-_loading = threading.Lock()
+_loading = threading.RLock()
 # The stored prompt prefixes of each loaded model, shared by every TransformersLLM over it.
 _prefix_caches: weakref.WeakKeyDictionary[Any, PrefixCache] = weakref.WeakKeyDictionary()
 
@@ -125,6 +125,11 @@ def load_model_and_tokenizer(
     key = (source, gguf_file, device, dtype, quantization, seer)
     with _loading:
         if key not in _loaded:
+            grid = None
+            if quantization == "int4" and model != "embedded" and trained_from_embedded(model):
+                # Its checkpoints decode on the embedded model's own grid (module
+                # `quantization`); loading it re-enters the lock.
+                grid = load_model_and_tokenizer("embedded", device, dtype, quantization="int4")[0]
             if gguf_file:
                 source = str(converted_dir(Path(source) / gguf_file))
             tokenizer = AutoTokenizer.from_pretrained(source)
@@ -132,7 +137,7 @@ def load_model_and_tokenizer(
                 source, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
             )
             # Quantized before sparse decoding is switched on: its hooks go on the final modules.
-            loaded = quantize(loaded.to(device).eval(), quantization)
+            loaded = quantize(loaded.to(device).eval(), quantization, grid)
             if seer is not None:
                 seer.enable(loaded, model)
             _loaded[key] = (loaded, tokenizer)

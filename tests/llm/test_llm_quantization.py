@@ -144,6 +144,42 @@ def test_int4_linear_rounds_other_weights_to_their_groups_grid():
     assert not Int4Linear.fits(torch.nn.Linear(64, 24))
 
 
+def test_int4_linear_on_a_base_models_grid_moves_only_what_training_moved():
+    base = q4_1_layer(32, 2 * INT4_GROUP)
+    grid = Int4Linear(base).scales_and_zeros
+    step = grid[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)  # [out, in]
+    trained = q4_1_layer(32, 2 * INT4_GROUP)
+    with torch.no_grad():
+        trained.weight.add_(0.2 * step * torch.rand_like(step))  # less than half a step: no move
+        trained.weight[3, 0] += step[3, 0]  # a group's least weight (q = 0): to q = 1
+        trained.weight[4, INT4_GROUP] += 40 * step[4, INT4_GROUP]  # past the range: its end
+    layer = Int4Linear(trained, grid)
+    assert torch.equal(layer.scales_and_zeros, grid)
+    decoded = layer.weight_bf16.float()
+    moved = decoded != base.weight
+    assert moved.sum() == 2 and moved[3, 0] and moved[4, INT4_GROUP]
+    assert decoded[3, 0] == base.weight[3, 0] + step[3, 0]
+    zero = grid[..., 1].float().T.repeat_interleave(INT4_GROUP, dim=1)
+    assert decoded[4, INT4_GROUP] == zero[4, INT4_GROUP] + 7 * step[4, INT4_GROUP]  # q = 15
+    with pytest.raises(ValueError, match=r"a grid of shape \(2, 32, 2\) for a layer of 64 -> 48"):
+        Int4Linear(torch.nn.Linear(2 * INT4_GROUP, 48), grid)
+
+
+def test_a_checkpoint_quantized_on_its_bases_grid_decodes_as_the_base_where_untrained(tiny_base):
+    base = quantize(AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32), "int4")
+    trained = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32)
+    with torch.no_grad():
+        trained.model.layers[1].mlp.down_proj.weight.mul_(3.0)  # the one layer training moved
+    quantize(trained, "int4", grid=base)
+    int4 = {n: m for n, m in trained.named_modules() if isinstance(m, Int4Linear)}
+    assert len(int4) == 14  # 2 decoder layers of q, k, v, o, gate, up, down
+    for name, layer in int4.items():
+        base_layer = base.get_submodule(name)
+        assert torch.equal(layer.scales_and_zeros, base_layer.scales_and_zeros)
+        same = torch.equal(layer.weight_bf16, base_layer.weight_bf16)
+        assert same == (name != "model.layers.1.mlp.down_proj"), name
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_a_quantized_model_stays_close_to_float32(tiny_base, scheme):
     model = AutoModelForCausalLM.from_pretrained(tiny_base, dtype=torch.float32).eval()
