@@ -56,6 +56,20 @@ def test_int4_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cp
         resolve_quantization("int8", "embedded", "cuda")
 
 
+def outputs_by_kernel(layer, x: torch.Tensor, want: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The layer's outputs for `x` under its packed kernel (1 row) and its matmul (`gemm_rows`),
+    each close to `want`, float32, and the same for a row whatever its batch."""
+    by_kernel = {}
+    for rows in (1, layer.gemm_rows):  # the packed kernel, then the matmul
+        with kernel_for_batch(layer, rows):
+            got = by_kernel[rows] = layer(x)
+            assert got.shape == want.shape and got.dtype == torch.float32
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+            # Weight-only: under one kernel a row's result does not depend on its batch.
+            assert torch.equal(layer(x[2:3]), got[2:3])
+    return by_kernel
+
+
 def test_int8_linear_keeps_each_row_on_its_own_grid():
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
@@ -68,14 +82,8 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     assert (layer.weight_int8.abs().amax(dim=1) >= 126).all()  # every row uses its range
     x = torch.randn(5, 3, 64)
     want = F.linear(x.bfloat16().float(), dequantized, linear.bias)
-    by_kernel = {}
-    for rows in (1, GEMM_ROWS):  # the row kernel, then the matmul
-        with kernel_for_batch(layer, rows):
-            got = by_kernel[rows] = layer(x)
-            assert got.shape == (5, 3, 48) and got.dtype == torch.float32
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-            # Weight-only: under one kernel a row's result does not depend on its batch.
-            assert torch.equal(layer(x[2:3]), got[2:3])
+    assert want.shape == (5, 3, 48)
+    by_kernel = outputs_by_kernel(layer, x, want)
     # The two kernels differ by the one rounding of their sums to bfloat16.
     torch.testing.assert_close(by_kernel[1], by_kernel[GEMM_ROWS], rtol=8e-3, atol=1e-2)
     # Unpinned, each call's rows choose: 15 rows the matmul, 1 the row kernel.
@@ -111,13 +119,8 @@ def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     torch.testing.assert_close(unit, linear.weight.T, rtol=0, atol=1e-6)
     x = torch.randn(5, 3, 3 * INT4_GROUP)
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
-    by_kernel = {}
-    for rows in (1, INT4_GEMM_ROWS):  # the int4 kernel, then the matmul
-        with kernel_for_batch(layer, rows):
-            got = by_kernel[rows] = layer(x)
-            assert got.shape == (5, 3, 48) and got.dtype == torch.float32
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-            assert torch.equal(layer(x[2:3]), got[2:3])  # a row's result: not its batch's
+    assert want.shape == (5, 3, 48) and layer.gemm_rows == INT4_GEMM_ROWS
+    by_kernel = outputs_by_kernel(layer, x, want)
     torch.testing.assert_close(by_kernel[1], by_kernel[INT4_GEMM_ROWS], rtol=8e-3, atol=1e-2)
     # Unpinned, each call's rows choose: 15 rows the int4 kernel, as one row does.
     assert torch.equal(layer(x), by_kernel[1])
