@@ -129,9 +129,9 @@ def quantize(model: Any, quantization: str, grid: Any = None) -> Any:
             if not isinstance(child, torch.nn.Linear):
                 continue
             if quantization == "int4" and child is not head and Int4Linear.fits(child):
+                # A grid of another shape is refused by the layer (training resizes only the
+                # embeddings and the LM head, which are not int4).
                 layer_grid = grids.get(f"{prefix}.{name}" if prefix else name)
-                if layer_grid is not None and layer_grid.shape[1] != child.out_features:
-                    layer_grid = None  # resized since (not a decoder layer's shape)
                 setattr(parent, name, Int4Linear(child, layer_grid))
             else:
                 setattr(parent, name, Int8Linear(child))
