@@ -35,7 +35,7 @@ import torch
 from tokenizers.decoders import DecodeStream
 from transformers import StoppingCriteria
 
-from rstar_kernels.hf import cache_argument
+from .cascade_attention import model_inputs
 
 # Rows are dropped once this share of the batch has finished.
 DROP_SHARE = 0.25
@@ -271,7 +271,7 @@ def decode(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=step_positions,
-            **cache_argument(model, cache),
+            **model_inputs(model, cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1, :]

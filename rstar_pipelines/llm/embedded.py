@@ -96,7 +96,11 @@ def trainable_copy(model: Any) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    fresh = AutoModelForCausalLM.from_config(plain_config(model), dtype=torch.float32)
+    # SDPA, whatever the loaded model attends with (the loader switches it to cascade attention,
+    # module `cascade_attention`, which a model being trained has no use for).
+    fresh = AutoModelForCausalLM.from_config(
+        plain_config(model), dtype=torch.float32, attn_implementation="sdpa"
+    )
     fresh.load_state_dict(model.state_dict())
     fresh.generation_config = copy.deepcopy(model.generation_config)
     return fresh

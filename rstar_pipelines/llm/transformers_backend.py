@@ -40,6 +40,9 @@ What to know about its behaviour:
   tokenizers library's DecodeStream), one token per step, and only its tail is searched.
 - The key/value cache is allocated for the whole call up front and appended in place (module
   `kv_cache`), instead of being copied every step.
+- On the CPU, dense models attend with cascade attention (module `cascade_attention`): the n
+  samples of a prompt (and the prompts of a shared preamble) keep its keys and values once, and
+  each decode step reads them once for all of them.
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
 - `TransformersLLM.wrap(model, tokenizer, ...)` generates with a model already in memory (a
   trainer's, whose weights change between calls) instead of loading one.
@@ -65,8 +68,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, 
 from transformers.cache_utils import DynamicCache
 
 from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
-from rstar_kernels.hf import cache_argument
 
+from .cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
+from .cascade_attention import model_inputs, use_cascade_attention
 from .decode_loop import (
     GeneratedTextStopCriteria,
     RowSeeds,
@@ -140,6 +144,8 @@ def load_model_and_tokenizer(
             loaded = quantize(loaded.to(device).eval(), quantization, grid)
             if seer is not None:
                 seer.enable(loaded, model)
+            else:
+                use_cascade_attention(loaded)
             _loaded[key] = (loaded, tokenizer)
         return _loaded[key]
 
@@ -336,7 +342,8 @@ class TransformersLLM:
     def _new_cache(self, capacity: int) -> DynamicCache | None:
         """A cache of `capacity` positions per row that appends in place; None for models whose
         cache is not plain full-attention keys and values (sliding windows, recurrent states)."""
-        cache = preallocated_cache(self._model.config, capacity)
+        share = self._model.config._attn_implementation == CASCADE_ATTENTION
+        cache = preallocated_cache(self._model.config, capacity, share_repeats=share)
         if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
             return None
         return cache
@@ -363,7 +370,7 @@ class TransformersLLM:
             decoder(
                 input_ids=prefix[:, reused:],
                 position_ids=torch.arange(reused, len(tokens), device=prefix.device)[None],
-                **cache_argument(decoder, cache),
+                **model_inputs(decoder, cache),
                 use_cache=True,
             )
             if store is not None:
@@ -390,7 +397,7 @@ class TransformersLLM:
             input_ids=input_ids[:, start:-1],
             attention_mask=mask,
             position_ids=first_positions(mask)[:, start:],
-            **cache_argument(decoder, cache),
+            **model_inputs(decoder, cache),
             use_cache=True,
         )
 

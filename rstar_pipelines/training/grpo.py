@@ -13,7 +13,8 @@ algorithm's pieces come from `rstar_pipelines.agent` through two hooks of a GRPO
   (`agent.grpo.group_advantages`). A group whose rewards are all equal is dropped: its first
   `group_size` rollouts fill its place with an all-zero loss mask (TRL's batch shape is fixed), so
   they weigh nothing, and an optimizer step whose groups were all dropped makes no update (its
-  gradients are discarded before the optimizer sees them). Each rollout becomes prompt ids,
+  gradients are discarded before the optimizer sees them; on one process such a micro-batch's
+  loss is a zero that skips the model's forward and backward). Each rollout becomes prompt ids,
   completion ids and a mask: 1 on each assistant turn and the template's end-of-turn after it, 0
   on the tool-response turns and the markup between turns (`sft.chat_tokens`, as SFT renders).
 - the loss (`compute_loss`): `agent.grpo.grpo_loss`, the PPO clipped loss with clip-higher
@@ -245,7 +246,7 @@ def train_grpo(
             ),
             processing_class=tokenizer,
             peft_config=hf_trainer.peft_config(launch, "CAUSAL_LM"),
-            callbacks=[hf_trainer.progress_callback("GRPO", log)],
+            callbacks=hf_trainer.callbacks("GRPO", log),
         )
         trainer.remove_callback(PrinterCallback)
         log(
@@ -418,17 +419,23 @@ def _grpo_roc_trainer(
             if return_outputs:
                 raise ValueError("GRPO-RoC returns no outputs")
             prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+            mask = inputs["completion_mask"] * inputs["tool_mask"]
+            tokens = mask.sum()
+            metrics = self._metrics["train"]
+            if tokens == 0 and self.accelerator.num_processes == 1:
+                # Every rollout here was dropped or cut, and no other process's gradient
+                # all-reduce waits on this backward: a zero, without the model's forward and
+                # backward (with every group dropped, three quarters of a CPU job's time).
+                metrics["roc/updated"].append(float(self._step_kept_tokens > 0))
+                return torch.zeros((), device=prompt_ids.device, requires_grad=True)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            mask = inputs["completion_mask"] * inputs["tool_mask"]
             logprobs, _, _ = self._get_per_token_logps_and_entropies(
                 model, input_ids, attention_mask, completion_ids.size(1)
             )
             old = inputs.get("old_per_token_logps")
             old = logprobs.detach() if old is None else old
-            tokens = mask.sum()
-            metrics = self._metrics["train"]
-            if tokens == 0:  # every rollout here was dropped or cut: a zero through the model
+            if tokens == 0:  # on several processes, a zero through the model (DDP's backward)
                 metrics["roc/updated"].append(float(self._step_kept_tokens > 0))
                 return (logprobs * 0).sum()
             loss, stats = grpo_loss(

@@ -238,7 +238,7 @@ def train_ppm(
             eval_dataset=heldout_data if periodic else None,
             processing_class=ppm.tokenizer,
             peft_config=hf_trainer.peft_config(launch, "SEQ_CLS", modules_to_save=["score"]),
-            callbacks=[hf_trainer.progress_callback("PPM", log)],
+            callbacks=hf_trainer.callbacks("PPM", log),
         )
         trainer.remove_callback(PrinterCallback)
         log(f"PPM: {len(train)} pairs ({len(heldout)} held out)")

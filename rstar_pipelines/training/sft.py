@@ -116,7 +116,7 @@ def sft_trainer(
         train_dataset=sft_dataset(tokenizer, examples),
         processing_class=tokenizer,
         peft_config=hf_trainer.peft_config(launch, "CAUSAL_LM"),
-        callbacks=[hf_trainer.progress_callback("SFT", log)],
+        callbacks=hf_trainer.callbacks("SFT", log),
     )
     trainer.remove_callback(PrinterCallback)
     return trainer

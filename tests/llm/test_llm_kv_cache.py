@@ -65,3 +65,42 @@ def test_only_full_attention_layers_are_replaced():
     assert all(type(layer) is PreallocatedLayer for layer in full.layers)
     sliding = preallocated_cache(MistralConfig(num_hidden_layers=2, sliding_window=4), 16)
     assert not any(type(layer) is PreallocatedLayer for layer in sliding.layers)
+
+
+def held(layer: PreallocatedLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each row of `layer` attends: its group's shared part, then its own."""
+    if layer.shared_keys is None:
+        return layer.keys, layer.values
+    rows = layer.groups.group_of_row
+    return (
+        torch.cat([layer.shared_keys[rows], layer.keys], dim=-2),
+        torch.cat([layer.shared_values[rows], layer.values], dim=-2),
+    )
+
+
+def test_repeated_rows_share_what_they_held_and_attend_what_a_dynamic_layer_holds():
+    ours, theirs = PreallocatedLayer(capacity=20, share_repeats=True), DynamicLayer()
+    # A preamble for 1 row, repeated for 3 prompts, their rests, then 2 samples of each.
+    steps = [("update", 1, 4), ("repeat", 3), ("update", 3, 2), ("repeat", 2), ("update", 6, 1)]
+    steps += [
+        ("select", [0, 1, 3, 4, 5]),
+        ("update", 5, 1),
+        ("select", [2, 3, 4]),
+        ("update", 3, 1),
+    ]
+    for seed, (op, *args) in enumerate(steps):
+        for layer in (ours, theirs):
+            if op == "update":
+                layer.update(*states(*args, seed=seed))
+            elif op == "repeat":
+                layer.batch_repeat_interleave(*args)
+            else:
+                layer.batch_select_indices(torch.tensor(args[0]))
+        keys, values = held(ours)
+        assert torch.equal(keys, theirs.keys) and torch.equal(values, theirs.values), (op, args)
+        assert ours.get_seq_length() == theirs.get_seq_length()
+    # One copy of each prompt's 6 tokens is kept, for the prompts that still have rows: the
+    # rows left are the 2nd prompt's second sample and both of the 3rd's.
+    assert ours.shared_keys.shape[:3] == (2, 2, 6)
+    assert ours.groups.group_of_row.tolist() == [0, 1, 1]
+    assert ours.own_length() == 3

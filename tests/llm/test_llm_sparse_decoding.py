@@ -27,6 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rstar_kernels.gate import GateConfig, SeerGates, capture_pre_rope
 from rstar_kernels.hf import cache_argument, enable_seer_decoding
 from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.llm.cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
 from rstar_pipelines.llm.quantized_linear import Int4Linear, Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
 
@@ -293,7 +294,7 @@ def test_generate_with_a_budget_covering_the_context_equals_dense(tiny):
     # n samples share one prefill, then each row's compressed cache is repeated per sample.
     assert sparse.generate(PROMPTS, sampled) == dense.generate(PROMPTS, sampled)
     # The dense instance is untouched by the sparse one.
-    assert dense._model.config._attn_implementation == "sdpa"
+    assert dense._model.config._attn_implementation == CASCADE_ATTENTION
     assert dense.generate(PROMPTS, greedy) == before
 
 

@@ -194,10 +194,20 @@ def test_a_step_without_a_kept_group_makes_no_update(tiny_base, sandbox):
         max_length=128,
         rollout=RolloutConfig(max_turns=1, max_response_tokens=8),
     )
-    metrics = train_grpo(
-        model, tokenizer, problems, config, sandbox, [chat(problems[0].question)], lambda _: None
+    # Forwards that build a graph: the loss's (rollouts and old log-probabilities take none).
+    trained_forwards = []
+    hook = model.register_forward_hook(
+        lambda *_: trained_forwards.append(1) if torch.is_grad_enabled() else None
     )
+    try:
+        metrics = train_grpo(
+            model, tokenizer, problems, config, sandbox, [chat(problems[0].question)], print
+        )
+    finally:
+        hook.remove()
     assert metrics["mean_reward"] == [0.0, 0.0] and metrics["groups_dropped"] == [1.0, 1.0]
+    # One process and nothing kept: the loss is a zero without the model's forward and backward.
+    assert trained_forwards == []
     assert metrics["updates"] == [0, 0] and metrics["loss"] == [None, None]
     assert metrics["clip_low"] == [None, None]
     assert metrics["kept"] == [0, 0] and metrics["skipped_steps"] == 2 and metrics["losses"] == []

@@ -7,9 +7,11 @@ import copy
 
 import pytest
 import torch
+from transformers import Trainer
 
 from rstar_pipelines.llm import Completion, SamplingParams, load_llm
 from rstar_pipelines.training.base_models import add_tags, load_trainable
+from rstar_pipelines.training.config import LaunchConfig
 from rstar_pipelines.training.sft import SFTTrainConfig, chat_tokens, sft_trainer, train_sft
 
 CONVERSATION = [
@@ -89,17 +91,34 @@ def examples() -> list[dict]:
     ]
 
 
-def test_loss_falls_and_the_checkpoint_generates(tiny_base, tmp_path):
+def test_loss_falls_and_the_checkpoint_generates(tiny_base, tmp_path, monkeypatch):
     model, tokenizer = load_trainable(tiny_base)
     add_tags(model, tokenizer)
     config = SFTTrainConfig(lr=3e-2, epochs=6, batch_size=2, seed=0)
     lines: list[str] = []
     out = tmp_path / "policy"
-    metrics = train_sft(model, tokenizer, examples(), config, lines.append, output_dir=out)
+    saved_at = []  # the steps of the resumable checkpoints written
+    save = Trainer._save_checkpoint
+    monkeypatch.setattr(
+        Trainer,
+        "_save_checkpoint",
+        lambda self, *args: saved_at.append(self.state.global_step) or save(self, *args),
+    )
+    metrics = train_sft(
+        model,
+        tokenizer,
+        examples(),
+        config,
+        lines.append,
+        output_dir=out,
+        launch=LaunchConfig(save_steps=5),
+    )
     losses = metrics["losses"]
     assert metrics["steps"] == len(losses) == 12 and metrics["examples"] == 4
     assert metrics["final_loss"] == losses[-1] < 0.5 * losses[0]
     assert any(line.startswith("SFT step 12/12: loss") for line in lines)
+    # Every save_steps, but none after the last step, where the model itself is written next.
+    assert saved_at == [5, 10]
     assert not list(out.glob("checkpoint-*"))  # the resumable checkpoints go at the end
 
     llm = load_llm("transformers", str(out), batch_size=2)
