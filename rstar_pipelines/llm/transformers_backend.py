@@ -46,6 +46,10 @@ What to know about its behaviour:
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
 - `TransformersLLM.wrap(model, tokenizer, ...)` generates with a model already in memory (a
   trainer's, whose weights change between calls) instead of loading one.
+- Loaded models load and generate on one thread of the process, whichever thread calls
+  (module `torch_thread`: two threads running torch's parallel loops made every loop wait on
+  OpenMP's throttled wake-ups, about 40% of a generate call); a wrapped model generates on its
+  caller's thread.
 - `sparse_attention="seer"` decodes with SeerAttention-R block-sparse attention (prefill stays
   dense), with the trained gates in `gate_checkpoint` and `token_budget` tokens per step (default
   4096) or the blocks above `sparse_threshold`; `sparse_backend` picks the kernel ("triton" on
@@ -87,6 +91,7 @@ from .kv_cache import PreallocatedLayer, preallocated_cache
 from .prefix_cache import PrefixCache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
+from . import torch_thread
 from .quantized_linear import kernel_for_batch
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
@@ -120,7 +125,13 @@ def load_model_and_tokenizer(
 ) -> tuple[Any, Any]:
     """Load (or take from this process's cache) a causal LM and its tokenizer; with
     `quantization`, its linear layers quantized; with `seer`, a copy of its own switched to
-    sparse decoding."""
+    sparse decoding. Loads on the torch thread (module `torch_thread`)."""
+    return torch_thread.run(_load, model, device, dtype, seer, quantization)
+
+
+def _load(
+    model: str, device: str | None, dtype: str, seer: SeerSettings | None, quantization: str
+) -> tuple[Any, Any]:
     source, gguf_file = _resolve(model)
     device = default_device(device)
     quantization = resolve_quantization(quantization, model, device)
@@ -177,6 +188,7 @@ class TransformersLLM:
         with _loading:
             prefixes = _prefix_caches.setdefault(loaded, PrefixCache())
         self._set_model(loaded, tokenizer, name, batch_size, prefixes)
+        self._on_torch_thread = True
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, *, name: str, batch_size: int = 8) -> TransformersLLM:
@@ -186,6 +198,8 @@ class TransformersLLM:
         calls."""
         llm = cls.__new__(cls)
         llm._set_model(model, tokenizer, name, batch_size, None)
+        # The trainer's thread, whose OpenMP team its training runs on (module `torch_thread`).
+        llm._on_torch_thread = False
         return llm
 
     def _set_model(
@@ -211,6 +225,13 @@ class TransformersLLM:
         self._pad_id = pad if pad is not None else min(self._eos_ids)
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        if self._on_torch_thread:
+            return torch_thread.run(self._generate, prompts, params)
+        return self._generate(prompts, params)
+
+    def _generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> list[list[Completion]]:
         token_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
         if params.seed is not None:
             torch.manual_seed(params.seed)  # what `generate()`'s models sample with

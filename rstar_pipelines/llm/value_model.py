@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rstar_pipelines.llm import torch_thread
 from rstar_pipelines.llm.types import Prompt, is_chat, render_chat
 
 if TYPE_CHECKING:
@@ -44,10 +45,19 @@ class ProcessPreferenceModel:
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.max_length = max_length
+        # A loaded PPM scores on the torch thread, as the LLMs it searches with generate
+        # (module `torch_thread`); one being trained, on its trainer's thread.
+        self._on_torch_thread = False
 
     @classmethod
     def load(cls, directory: str | Path, **options: Any) -> ProcessPreferenceModel:
         """A PPM saved by `save` (or any one-label sequence-classification directory)."""
+        ppm = torch_thread.run(cls._load, directory, **options)
+        ppm._on_torch_thread = True
+        return ppm
+
+    @classmethod
+    def _load(cls, directory: str | Path, **options: Any) -> ProcessPreferenceModel:
         import torch
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -83,6 +93,8 @@ class ProcessPreferenceModel:
 
     def values(self, texts: Sequence[str], max_length: int | None = None) -> list[float]:
         """Raw values of `texts`, `batch_size` at a time, in eval mode without gradients."""
+        if self._on_torch_thread and not torch_thread.is_current():
+            return torch_thread.run(self.values, texts, max_length)
         import torch
 
         was_training = self.model.training

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -284,3 +286,37 @@ def test_wrapped_model_generates_with_its_current_weights_in_eval_mode(tiny_base
         model.model.norm.weight.mul_(-1)  # every logit changes sign: argmax becomes argmin
     assert wrapped.generate(PROMPTS, greedy) != before
     assert wrapped.name == "trainee" and isinstance(wrapped, LLM)
+
+
+def test_loaded_models_run_on_one_thread_whoever_calls_and_wrapped_ones_on_the_callers(
+    tiny_base,
+):
+    # Two threads running torch's parallel loops make OpenMP throttle its wake-ups (module
+    # `torch_thread`): a loaded model's forwards all go to one thread.
+    loaded = TransformersLLM(tiny_base)
+    model = AutoModelForCausalLM.from_pretrained(tiny_base)
+    wrapped = TransformersLLM.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
+    threads: dict[str, set[int]] = {"loaded": set(), "wrapped": set()}
+    hooks = [
+        llm._model.register_forward_hook(
+            lambda *_, key=key: threads[key].add(threading.get_ident())
+        )
+        for key, llm in (("loaded", loaded), ("wrapped", wrapped))
+    ]
+    greedy = GREEDY.model_copy(update={"max_tokens": 4})
+    callers = []
+    try:
+        loaded.generate(PROMPTS, greedy)
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            for _ in range(2):
+                pool.submit(loaded.generate, PROMPTS, greedy).result()
+                callers.append(pool.submit(threading.get_ident).result())
+            pool.submit(wrapped.generate, PROMPTS, greedy).result()
+        wrapped.generate(PROMPTS, greedy)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(threads["loaded"]) == 1
+    (torch_thread,) = threads["loaded"]
+    assert torch_thread != threading.get_ident() and torch_thread not in callers
+    assert len(threads["wrapped"]) == 2 and threading.get_ident() in threads["wrapped"]
