@@ -73,6 +73,7 @@ from transformers.cache_utils import DynamicCache
 
 from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
 
+from . import torch_thread
 from .cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
 from .cascade_attention import model_inputs, use_cascade_attention
 from .decode_loop import (
@@ -91,7 +92,6 @@ from .kv_cache import PreallocatedLayer, preallocated_cache
 from .prefix_cache import PrefixCache
 from .quantization import default_device, quantize, resolve_quantization
 from .quantization import tag as quantization_tag
-from . import torch_thread
 from .quantized_linear import kernel_for_batch
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
