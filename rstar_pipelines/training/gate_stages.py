@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
+from rstar_pipelines.llm import torch_thread
 from rstar_pipelines.llm.quantization import default_device, resolve_quantization
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
@@ -267,17 +268,19 @@ class AttnGateEvaluation(Stage):
             return loaded[0]
 
         setting = [gates_path, base, quantization, p.backend, p.budgets]
+        # The model's forwards on the torch thread, where it was loaded and where the LLMs of
+        # this process generate (module `llm.torch_thread`).
         text_items = ctx.cache.map(
             texts,
             lambda t: fingerprint(setting, p.max_length, p.prefill_fraction, t["messages"]),
-            lambda chunk: [self._decode_text(model(), t) for t in chunk],
+            lambda chunk: torch_thread.run(lambda: [self._decode_text(model(), t) for t in chunk]),
             chunk=1,
         )
         prompts = [self.prompts["solve"].render(domain="math", question=q.question) for q in math]
         answer_items = ctx.cache.map(
             prompts,
             lambda prompt: fingerprint(setting, p.answer_tokens, prompt),
-            lambda chunk: self._answer(model(), chunk),
+            lambda chunk: torch_thread.run(lambda: self._answer(model(), chunk)),
             chunk=8,
         )
         table = _gate_rows(p, texts, text_items, math, answer_items, gates_path, base)
