@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from rstar_kernels.hf import cache_argument
-from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm import SamplingParams, torch_thread
 from rstar_pipelines.llm.kv_cache import preallocated_cache
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
 from rstar_sandbox.bench import machine
@@ -176,7 +176,8 @@ def main() -> None:
             prompts, params = request(workload, args.max_tokens)
             for quantization, llm in systems.items():
                 seconds, tokens, steps = run_backend(llm, prompts, params)
-                bare = run_bare(llm, prompts, params, steps)
+                # On the thread the backend's model runs on (module `llm.torch_thread`).
+                bare = torch_thread.run(run_bare, llm, prompts, params, steps)
                 rates.setdefault((workload.name, names[quantization]), []).append(tokens / seconds)
                 bare_name = f"bare loop, {names[quantization].split(', ')[1]}"
                 rates.setdefault((workload.name, bare_name), []).append(tokens / bare)

@@ -28,7 +28,7 @@ import time
 import torch
 
 from rstar_kernels.quality import kl_and_agreement
-from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm import SamplingParams, torch_thread
 from rstar_pipelines.llm.decode_loop import common_prefix_length
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
 from rstar_pipelines.math.answers import equivalent, extract_boxed
@@ -86,7 +86,10 @@ def main() -> None:
         for q in schemes:
             other = outputs[q][i]
             quantized = tokenizer(other.text, add_special_tokens=False)["input_ids"]
-            kl, agree = teacher_forced(llms["none"], llms[q], prompt_ids, reference)
+            # On the thread the models were loaded on and generate on (module `llm.torch_thread`).
+            kl, agree = torch_thread.run(
+                teacher_forced, llms["none"], llms[q], prompt_ids, reference
+            )
             answer = extract_boxed(other.text)
             rows[q].append(
                 {
