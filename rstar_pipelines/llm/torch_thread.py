@@ -17,6 +17,7 @@ training loop's own team is the one it should share.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,10 @@ def run(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     return _pool().submit(function, *args, **kwargs).result()
 
 
-def is_current() -> bool:
-    """Whether this is the torch thread."""
-    return threading.current_thread() is _thread
+def _forget() -> None:
+    # A forked child has none of its parent's threads: its first `run` starts its own.
+    global _executor, _thread, _lock
+    _executor, _thread, _lock = None, None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget)

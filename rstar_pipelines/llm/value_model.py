@@ -93,8 +93,11 @@ class ProcessPreferenceModel:
 
     def values(self, texts: Sequence[str], max_length: int | None = None) -> list[float]:
         """Raw values of `texts`, `batch_size` at a time, in eval mode without gradients."""
-        if self._on_torch_thread and not torch_thread.is_current():
-            return torch_thread.run(self.values, texts, max_length)
+        if self._on_torch_thread:
+            return torch_thread.run(self._values, texts, max_length)
+        return self._values(texts, max_length)
+
+    def _values(self, texts: Sequence[str], max_length: int | None) -> list[float]:
         import torch
 
         was_training = self.model.training

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -320,3 +322,24 @@ def test_loaded_models_run_on_one_thread_whoever_calls_and_wrapped_ones_on_the_c
     (torch_thread,) = threads["loaded"]
     assert torch_thread != threading.get_ident() and torch_thread not in callers
     assert len(threads["wrapped"]) == 2 and threading.get_ident() in threads["wrapped"]
+
+
+def test_a_forked_child_runs_on_a_torch_thread_of_its_own():
+    from rstar_pipelines.llm import torch_thread
+
+    parent = torch_thread.run(threading.get_ident)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the parent's torch thread is not in the child: it must not wait on it
+        os.write(write, b"1" if torch_thread.run(threading.get_ident) else b"0")
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + 30
+    while os.waitpid(child, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child waited on its parent's torch thread")
+        time.sleep(0.05)
+    assert os.read(read, 1) == b"1"
+    assert torch_thread.run(threading.get_ident) == parent
