@@ -50,6 +50,11 @@ from __future__ import annotations
 from typing import Any
 
 QUANTIZATIONS = ("none", "int8", "int4")
+# Each quantized scheme's revision, part of its tag: bumped whenever a change to its kernels
+# changes the numbers they compute, so that completions cached under the scheme's old code are
+# not served as its new code's. 2: a prefill takes the bfloat16 matmul, whatever the decode's
+# rows (module `quantized_linear`).
+REVISIONS = {"int8": 2, "int4": 2}
 # The scheme of the embedded model and the checkpoints trained from it on a CPU.
 EMBEDDED_QUANTIZATION = "int4"
 
@@ -87,9 +92,9 @@ def resolve_quantization(quantization: str | None, model: str, device: str) -> s
 
 
 def tag(quantization: str) -> str:
-    """What sets a scheme's completions apart in a model id: "" for none, "+int8" for int8,
-    and so on."""
-    return "" if quantization == "none" else f"+{quantization}"
+    """What sets a scheme's completions apart in a model id: "" for none, "+int8r2" for
+    revision 2 of int8, and so on."""
+    return "" if quantization == "none" else f"+{quantization}r{REVISIONS[quantization]}"
 
 
 def quantize(model: Any, quantization: str, grid: Any = None) -> Any:

@@ -1,13 +1,17 @@
 """The quantized linear layers of `quantization="int8"` and `"int4"` (module `quantization` says
 which layers each scheme quantizes, and why these kernels).
 
-Each layer has two kernels over the same weights and picks one by the rows of a call: a
-weight-only kernel that reads the packed integers (fastest for few rows: decoding few rows is
-memory-bound on a CPU) and, from `gemm_rows` rows on, a bfloat16 matmul, which those kernels
-cannot match for many rows (`benchmarks/quantized_kernels.py`; docs/benchmarks.md). A decode call
-pins one kernel for all its steps (`kernel_for_batch`), so rows that leave the batch change no
-other row's numbers. Activations are bfloat16 in both kernels and never quantized, so under one
-kernel a row's result does not depend on the other rows of its batch.
+Each layer has two kernels over the same weights: a weight-only kernel that reads the packed
+integers (fastest for few rows: decoding few rows is memory-bound on a CPU) and a bfloat16
+matmul, which those kernels cannot match for many rows (`benchmarks/quantized_kernels.py`;
+docs/benchmarks.md). A forward of one token a row (a decode step) picks by its rows: the matmul
+from `gemm_rows` on. A decode call pins one kernel for all its steps (`kernel_for_batch`), so
+rows that leave the batch change no other row's numbers. A forward of several tokens a row (a
+prefill) always takes the matmul, pinned or not: its rows are tokens, hundreds for one prompt,
+and the packed kernels' cost grows with them (1,280 rows through the 30 int4 decoder layers:
+1.57 s against the matmul's 0.23), and whatever the batch, a prompt's cache is the same.
+Activations are bfloat16 in both kernels and never quantized, so under one kernel a row's
+result does not depend on the other rows of its batch.
 
 - `Int8Linear`: int8 weights, one scale per output row (symmetric, absmax / 127);
   `aten._weight_int8pack_mm` runs a batch row by row (the LM head: 5.4 ms at 1 row, 37 at 16,
@@ -53,7 +57,8 @@ class QuantizedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
-        if (self.batch_rows or rows.shape[0]) >= self.gemm_rows:
+        several_tokens = x.dim() > 2 and x.shape[-2] > 1  # [batch, tokens, in_features]
+        if several_tokens or (self.batch_rows or rows.shape[0]) >= self.gemm_rows:
             out = self._matmul(rows)
         else:
             out = self._packed(rows)
@@ -177,8 +182,9 @@ class Int4Linear(QuantizedLinear):
 
 @contextlib.contextmanager
 def kernel_for_batch(model: Any, rows: int) -> Iterator[None]:
-    """Within the block, every quantized layer of `model` runs the kernel for a batch of `rows`,
-    whatever the rows of each call (a decode loop whose finished rows leave the batch)."""
+    """Within the block, every quantized layer of `model` runs the kernel for a batch of `rows`
+    in its forwards of one token a row, whatever the rows of each (a decode loop whose finished
+    rows leave the batch); forwards of several tokens a row take the matmul still."""
     layers = [module for module in model.modules() if isinstance(module, QuantizedLinear)]
     for layer in layers:
         layer.batch_rows = rows

@@ -11,7 +11,8 @@ backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
 Quantization and sparse settings are part of `model_id`, so completions cached from float32
-weights are not reused for quantized ones (nor int8 ones for int4), nor those of dense decoding
+weights are not reused for quantized ones (nor int8 ones for int4, nor those of a scheme's older
+kernels: its revision is in the tag), nor those of dense decoding
 for sparse decoding (or across budgets or gates).
 """
 

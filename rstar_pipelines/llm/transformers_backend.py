@@ -10,9 +10,9 @@ What to know about its behaviour:
 - `quantization` (module `quantization`): "int4" runs the decoder layers' linear layers with
   4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
   the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
-  weights, the default otherwise. The scheme is part of the name
-  (`transformers:embedded+int4`), so cached completions of one scheme are never taken for
-  another's.
+  weights, the default otherwise. The scheme and its revision are part of the name
+  (`transformers:embedded+int4r2`), so cached completions of one scheme, or of its kernels
+  before a change to their numbers, are never taken for another's.
 - Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
   so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
   a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's

@@ -3,8 +3,10 @@ the cache keys."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from rstar_pipelines.llm import SamplingParams, load_llm
+from rstar_pipelines.llm import quantization as quantization_module
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.quantized_linear import (
@@ -57,16 +60,28 @@ def test_int4_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cp
 
 
 def outputs_by_kernel(layer, x: torch.Tensor, want: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The layer's outputs for `x` under its packed kernel (1 row) and its matmul (`gemm_rows`),
-    each close to `want`, float32, and the same for a row whatever its batch."""
-    by_kernel = {}
-    for rows in (1, layer.gemm_rows):  # the packed kernel, then the matmul
-        with kernel_for_batch(layer, rows):
-            got = by_kernel[rows] = layer(x)
-            assert got.shape == want.shape and got.dtype == torch.float32
-            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
-            # Weight-only: under one kernel a row's result does not depend on its batch.
-            assert torch.equal(layer(x[2:3]), got[2:3])
+    """The layer's outputs for `x` (one token a row) under its packed kernel (1 row) and its
+    matmul (`gemm_rows`), each close to `want`, float32, and the same for a row whatever its
+    batch; a forward of several tokens a row takes the matmul under either."""
+    with (
+        mock.patch.object(layer, "_packed", wraps=layer._packed) as packed,
+        mock.patch.object(layer, "_matmul", wraps=layer._matmul) as matmul,
+    ):
+        by_kernel = {}
+        for rows in (1, layer.gemm_rows):  # the packed kernel, then the matmul
+            with kernel_for_batch(layer, rows):
+                got = by_kernel[rows] = layer(x)
+                assert got.shape == want.shape and got.dtype == torch.float32
+                torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+                # Weight-only: under one kernel a row's result does not depend on its batch.
+                assert torch.equal(layer(x[2:3]), got[2:3])
+        assert (packed.call_count, matmul.call_count) == (2, 2)
+        # A prefill (the same rows as 5 prompts of 3 tokens) takes the matmul, pinned or not.
+        prefill = x.view(5, 3, -1)
+        for rows in (None, 1, layer.gemm_rows):
+            with kernel_for_batch(layer, rows) if rows else contextlib.nullcontext():
+                assert torch.equal(layer(prefill), by_kernel[layer.gemm_rows].view(5, 3, -1))
+        assert (packed.call_count, matmul.call_count) == (2, 5)
     return by_kernel
 
 
@@ -80,15 +95,15 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     dequantized = layer.weight_int8.float() * scale
     assert ((dequantized - linear.weight).abs() <= scale / 2 + 1e-6).all()
     assert (layer.weight_int8.abs().amax(dim=1) >= 126).all()  # every row uses its range
-    x = torch.randn(5, 3, 64)
+    x = torch.randn(15, 1, 64)  # a decode step of 15 rows
     want = F.linear(x.bfloat16().float(), dequantized, linear.bias)
-    assert want.shape == (5, 3, 48)
+    assert want.shape == (15, 1, 48)
     by_kernel = outputs_by_kernel(layer, x, want)
     # The two kernels differ by the one rounding of their sums to bfloat16.
     torch.testing.assert_close(by_kernel[1], by_kernel[GEMM_ROWS], rtol=8e-3, atol=1e-2)
     # Unpinned, each call's rows choose: 15 rows the matmul, 1 the row kernel.
     assert torch.equal(layer(x), by_kernel[GEMM_ROWS])
-    assert torch.equal(layer(x[2:3, :1]), by_kernel[1][2:3, :1])
+    assert torch.equal(layer(x[2:3]), by_kernel[1][2:3])
 
 
 def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
@@ -117,9 +132,9 @@ def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     with kernel_for_batch(layer, 1), torch.no_grad():
         unit = layer(torch.eye(3 * INT4_GROUP)) - linear.bias
     torch.testing.assert_close(unit, linear.weight.T, rtol=0, atol=1e-6)
-    x = torch.randn(5, 3, 3 * INT4_GROUP)
+    x = torch.randn(15, 1, 3 * INT4_GROUP)  # a decode step of 15 rows
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
-    assert want.shape == (5, 3, 48) and layer.gemm_rows == INT4_GEMM_ROWS
+    assert want.shape == (15, 1, 48) and layer.gemm_rows == INT4_GEMM_ROWS
     by_kernel = outputs_by_kernel(layer, x, want)
     torch.testing.assert_close(by_kernel[1], by_kernel[INT4_GEMM_ROWS], rtol=8e-3, atol=1e-2)
     # Unpinned, each call's rows choose: 15 rows the int4 kernel, as one row does.
@@ -214,41 +229,50 @@ def test_the_backend_names_and_loads_each_scheme_apart(tiny_base):
     int8 = load_llm("transformers", tiny_base, device="cpu", quantization="int8")
     int4 = load_llm("transformers", tiny_base, device="cpu", quantization="int4")
     assert dense.name == f"transformers:{tiny_base}"
-    assert int8.name == f"transformers:{tiny_base}+int8"
-    assert int4.name == f"transformers:{tiny_base}+int4"
+    assert int8.name == f"transformers:{tiny_base}+int8r2"
+    assert int4.name == f"transformers:{tiny_base}+int4r2"
     assert len({id(dense._model), id(int8._model), id(int4._model)}) == 3
     assert isinstance(int8._model.model.layers[0].self_attn.q_proj, Int8Linear)
     assert isinstance(int4._model.model.layers[0].self_attn.q_proj, Int4Linear)
     assert isinstance(dense._model.lm_head, torch.nn.Linear)
 
 
-def test_quantized_and_float32_completions_never_share_a_cache_entry(tiny_base, tmp_path):
+def test_quantized_and_float32_completions_never_share_a_cache_entry(
+    tiny_base, tmp_path, monkeypatch
+):
     cache = ItemCache(tmp_path / "completions.sqlite", namespace="Generate@1")
     sampling = SamplingParams(temperature=0, max_tokens=6)
-    names = []
-    for quantization in ("int8", "none", "int4", "int8", "none", "int4"):
+
+    def complete(quantization: str) -> str:
         resource = LLMResource(model=tiny_base, device="cpu", quantization=quantization)
-        context = SimpleNamespace(resource=lambda _, resource=resource: resource)
+        context = SimpleNamespace(resource=lambda _: resource)
         stage_llm = StageLLM(SimpleNamespace(model=None), context)
         stage_llm.complete(PROMPTS, sampling, cache)
-        names.append(stage_llm.name)
+        return stage_llm.name
+
+    names = [complete(q) for q in ("int8", "none", "int4", "int8", "none", "int4")]
     # Each scheme computed its own completions once; the repeats found them.
     assert (cache.misses, cache.hits) == (3 * len(PROMPTS), 3 * len(PROMPTS))
     assert names[:3] == [
-        f"transformers:{tiny_base}+int8",
+        f"transformers:{tiny_base}+int8r2",
         f"transformers:{tiny_base}",
-        f"transformers:{tiny_base}+int4",
+        f"transformers:{tiny_base}+int4r2",
     ]
+    # A change to int4's kernels bumps its revision: what its old code cached is not served.
+    monkeypatch.setitem(quantization_module.REVISIONS, "int4", 3)
+    assert complete("int4") == f"transformers:{tiny_base}+int4r3"
+    assert (cache.misses, cache.hits) == (4 * len(PROMPTS), 3 * len(PROMPTS))
 
 
 def test_the_resource_defaults_environment_and_refusals(monkeypatch):
     monkeypatch.delenv("RSTAR_LLM_QUANTIZATION", raising=False)
     monkeypatch.delenv("RSTAR_LLM_BACKEND", raising=False)
-    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int4"
+    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int4r2"
     assert LLMResource(device="cpu", quantization="none").model_id() == "transformers:embedded"
     monkeypatch.setenv("RSTAR_LLM_QUANTIZATION", "none")
     assert LLMResource(device="cpu").model_id() == "transformers:embedded"
-    assert LLMResource(device="cpu", quantization="int8").model_id() == "transformers:embedded+int8"
+    int8 = LLMResource(device="cpu", quantization="int8")
+    assert int8.model_id() == "transformers:embedded+int8r2"
     monkeypatch.delenv("RSTAR_LLM_QUANTIZATION")
     server = {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
     assert LLMResource(**server).model_id() == "openai:m"

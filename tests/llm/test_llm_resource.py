@@ -24,7 +24,7 @@ def clean_env(monkeypatch):
 def test_defaults_to_the_embedded_model_in_process(embedded_llm):
     resource = LLMResource()
     llm = resource.get_llm()
-    assert llm.name == "transformers:embedded+int4"
+    assert llm.name == "transformers:embedded+int4r2"
     assert resource.get_llm() is llm
 
 

@@ -29,7 +29,7 @@ PROMPTS = [
 
 def test_is_an_llm_and_loads_once(embedded_llm):
     assert isinstance(embedded_llm, LLM)
-    assert embedded_llm.name == "transformers:embedded+int4"
+    assert embedded_llm.name == "transformers:embedded+int4r2"
     started = time.monotonic()
     again = load_llm("transformers")
     assert time.monotonic() - started < 1.0
