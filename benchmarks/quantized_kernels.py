@@ -6,7 +6,9 @@ each against its bfloat16 matmul (what a layer runs from its `gemm_rows` on).
 
 CPU milliseconds of one decode step (median of `--repeats`; CPU time of this thread, so the
 figures hold on a shared machine when `--threads 1`): the LM head (int8 in both schemes) and the
-30 decoder layers (q, k, v, o, gate, up, down of SmolLM2-135M) at 1 to 48 rows. Random weights
+30 decoder layers (q, k, v, o, gate, up, down of SmolLM2-135M) at 1 to 48 rows; then the decoder
+layers over a prompt's tokens (80 to 1,280 rows: a prefill, which the layers always run through
+the matmul, because the packed kernels' cost grows with the rows). Random weights
 of the real shapes: the kernels' time does not depend on the values. Each call reads weights
 that the previous calls left in the cache, so memory-bound few-row calls look faster than in a
 model, whose weights do not fit in the cache: `embedded_generation.py` measures whole steps.
@@ -41,6 +43,7 @@ LAYER_SHAPES = [
     (INTERMEDIATE, HIDDEN),
 ]
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+PREFILL_ROWS = (80, 320, 1280)
 
 
 def cpu_ms(layer: QuantizedLinear, x: torch.Tensor, kernel_rows: int, repeats: int) -> float:
@@ -92,6 +95,20 @@ def main() -> None:
             cells += [
                 LAYERS * step_ms(layers, rows, matmul, args.repeats) for matmul in (False, True)
             ]
+        print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+    print()
+    print(
+        "| prompt tokens | 30 layers, int8pack | 30 layers, int8 bf16 matmul "
+        "| 30 layers, int4pack | 30 layers, int4 bf16 matmul |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    repeats = max(3, args.repeats // 4)
+    for rows in PREFILL_ROWS:
+        cells = [
+            LAYERS * step_ms(layers, rows, matmul, repeats)
+            for layers in (int8, int4)
+            for matmul in (False, True)
+        ]
         print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
 
 
