@@ -29,8 +29,25 @@ __all__ = [
     "embedded_model_path",
     "export_embedded_model",
     "load_llm",
+    "transformers_model_id",
     "truncate_at_stop",
 ]
+
+# Our code computes the transformers backend's completions as much as the model does. Bumped
+# whenever a change to the backend changes them (its kernels, attention, decode loop, sampling),
+# the revision is part of the backend's model ids, so that completions cached by older code are
+# not served as this code's; ids before revision 2 carried none. 2: a prompt's prefill through
+# the quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits).
+TRANSFORMERS_REVISION = 2
+
+
+def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
+    """The transformers backend's id for `model` under `quantization` and SeerAttention-R
+    settings `seer`, which keys its cached completions: "transformers@2:embedded+int4"."""
+    from .quantization import tag
+
+    name = f"transformers@{TRANSFORMERS_REVISION}:{model}{tag(quantization)}"
+    return name + (seer.tag if seer else "")
 
 
 def load_llm(backend: str = "transformers", model: str | None = None, **options: Any) -> LLM:

@@ -11,9 +11,9 @@ backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
 Quantization and sparse settings are part of `model_id`, so completions cached from float32
-weights are not reused for quantized ones (nor int8 ones for int4, nor those of a scheme's older
-kernels: its revision is in the tag), nor those of dense decoding
-for sparse decoding (or across budgets or gates).
+weights are not reused for quantized ones (nor int8 ones for int4), nor those of dense decoding
+for sparse decoding (or across budgets or gates); so is the transformers backend's revision, so
+that neither are those its older code computed.
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ from pydantic import PrivateAttr
 
 from rstar_pipelines.pipeline.progress import CountingLLM
 
-from . import LLM, SamplingParams, load_llm
+from . import LLM, SamplingParams, load_llm, transformers_model_id
 from .quantization import default_device, resolve_quantization
-from .quantization import tag as quantization_tag
 from .sparse import SeerSettings
 
 
@@ -69,12 +68,13 @@ class LLMResource(dg.ConfigurableResource):
         return backend, model
 
     def model_id(self, model: str | None = None) -> str:
-        """ "backend:model" for `model` as get_llm would resolve it, without loading it."""
+        """ "backend:model" (and the settings that change its completions: see the module
+        docstring) for `model` as get_llm would resolve it, without loading it."""
         backend, resolved = self._resolve(model)
         seer = self._seer(backend)
-        quantization = self._quantization(backend, resolved)
-        tags = (quantization_tag(quantization) if quantization else "") + (seer.tag if seer else "")
-        return f"{backend}:{resolved or 'server-default'}{tags}"
+        if backend == "transformers":
+            return transformers_model_id(resolved, self._quantization(backend, resolved), seer)
+        return f"{backend}:{resolved or 'server-default'}" + (seer.tag if seer else "")
 
     def model_name(self, model: str | None = None) -> str | None:
         """The model `model` resolves to (a role's model, else the resource's default)."""

@@ -10,9 +10,9 @@ What to know about its behaviour:
 - `quantization` (module `quantization`): "int4" runs the decoder layers' linear layers with
   4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
   the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
-  weights, the default otherwise. The scheme and its revision are part of the name
-  (`transformers:embedded+int4r2`), so cached completions of one scheme, or of its kernels
-  before a change to their numbers, are never taken for another's.
+  weights, the default otherwise. The scheme is part of the name, and so is the backend's
+  revision (`transformers@2:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
+  one scheme, or of older code, are never taken for another's.
 - Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
   so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
   a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's
@@ -73,7 +73,7 @@ from transformers.cache_utils import DynamicCache
 
 from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
 
-from . import torch_thread
+from . import torch_thread, transformers_model_id
 from .cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
 from .cascade_attention import model_inputs, use_cascade_attention
 from .decode_loop import (
@@ -91,7 +91,6 @@ from .gguf import converted_dir
 from .kv_cache import PreallocatedLayer, preallocated_cache
 from .prefix_cache import PrefixCache
 from .quantization import default_device, quantize, resolve_quantization
-from .quantization import tag as quantization_tag
 from .quantized_linear import kernel_for_batch
 from .sparse import SeerSettings
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
@@ -184,7 +183,7 @@ class TransformersLLM:
         device = default_device(device)
         quantization = resolve_quantization(quantization, model, device)
         loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer, quantization)
-        name = f"transformers:{model}{quantization_tag(quantization)}" + (seer.tag if seer else "")
+        name = transformers_model_id(model, quantization, seer)
         with _loading:
             prefixes = _prefix_caches.setdefault(loaded, PrefixCache())
         self._set_model(loaded, tokenizer, name, batch_size, prefixes)

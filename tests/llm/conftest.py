@@ -13,9 +13,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rstar_pipelines.llm import export_embedded_model, load_llm
+from rstar_pipelines.llm import TRANSFORMERS_REVISION, export_embedded_model, load_llm
 
 SERVER_READY_TIMEOUT_S = 180
+# How the transformers backend's model ids begin: its name and revision.
+TRANSFORMERS = f"transformers@{TRANSFORMERS_REVISION}"
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rstar_pipelines.llm import SamplingParams, load_llm
-from rstar_pipelines.llm import quantization as quantization_module
+from rstar_pipelines import llm as llm_package
+from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.quantized_linear import (
@@ -28,6 +28,7 @@ from rstar_pipelines.llm.quantized_linear import (
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
 from rstar_pipelines.pipeline.item_cache import ItemCache
+from tests.llm.conftest import TRANSFORMERS
 
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 
@@ -228,16 +229,16 @@ def test_the_backend_names_and_loads_each_scheme_apart(tiny_base):
     dense = load_llm("transformers", tiny_base, device="cpu")
     int8 = load_llm("transformers", tiny_base, device="cpu", quantization="int8")
     int4 = load_llm("transformers", tiny_base, device="cpu", quantization="int4")
-    assert dense.name == f"transformers:{tiny_base}"
-    assert int8.name == f"transformers:{tiny_base}+int8r2"
-    assert int4.name == f"transformers:{tiny_base}+int4r2"
+    assert dense.name == f"{TRANSFORMERS}:{tiny_base}"
+    assert int8.name == f"{TRANSFORMERS}:{tiny_base}+int8"
+    assert int4.name == f"{TRANSFORMERS}:{tiny_base}+int4"
     assert len({id(dense._model), id(int8._model), id(int4._model)}) == 3
     assert isinstance(int8._model.model.layers[0].self_attn.q_proj, Int8Linear)
     assert isinstance(int4._model.model.layers[0].self_attn.q_proj, Int4Linear)
     assert isinstance(dense._model.lm_head, torch.nn.Linear)
 
 
-def test_quantized_and_float32_completions_never_share_a_cache_entry(
+def test_completions_of_another_scheme_or_of_older_code_never_come_from_the_cache(
     tiny_base, tmp_path, monkeypatch
 ):
     cache = ItemCache(tmp_path / "completions.sqlite", namespace="Generate@1")
@@ -254,25 +255,27 @@ def test_quantized_and_float32_completions_never_share_a_cache_entry(
     # Each scheme computed its own completions once; the repeats found them.
     assert (cache.misses, cache.hits) == (3 * len(PROMPTS), 3 * len(PROMPTS))
     assert names[:3] == [
-        f"transformers:{tiny_base}+int8r2",
-        f"transformers:{tiny_base}",
-        f"transformers:{tiny_base}+int4r2",
+        f"{TRANSFORMERS}:{tiny_base}+int8",
+        f"{TRANSFORMERS}:{tiny_base}",
+        f"{TRANSFORMERS}:{tiny_base}+int4",
     ]
-    # A change to int4's kernels bumps its revision: what its old code cached is not served.
-    monkeypatch.setitem(quantization_module.REVISIONS, "int4", 3)
-    assert complete("int4") == f"transformers:{tiny_base}+int4r3"
-    assert (cache.misses, cache.hits) == (4 * len(PROMPTS), 3 * len(PROMPTS))
+    # A change to what the backend computes bumps its revision: what older code cached is not
+    # served, whatever the scheme.
+    monkeypatch.setattr(llm_package, "TRANSFORMERS_REVISION", TRANSFORMERS_REVISION + 1)
+    bumped = f"transformers@{TRANSFORMERS_REVISION + 1}:{tiny_base}"
+    assert [complete("int4"), complete("none")] == [bumped + "+int4", bumped]
+    assert (cache.misses, cache.hits) == (5 * len(PROMPTS), 3 * len(PROMPTS))
 
 
 def test_the_resource_defaults_environment_and_refusals(monkeypatch):
     monkeypatch.delenv("RSTAR_LLM_QUANTIZATION", raising=False)
     monkeypatch.delenv("RSTAR_LLM_BACKEND", raising=False)
-    assert LLMResource(device="cpu").model_id() == "transformers:embedded+int4r2"
-    assert LLMResource(device="cpu", quantization="none").model_id() == "transformers:embedded"
+    assert LLMResource(device="cpu").model_id() == f"{TRANSFORMERS}:embedded+int4"
+    assert LLMResource(device="cpu", quantization="none").model_id() == f"{TRANSFORMERS}:embedded"
     monkeypatch.setenv("RSTAR_LLM_QUANTIZATION", "none")
-    assert LLMResource(device="cpu").model_id() == "transformers:embedded"
+    assert LLMResource(device="cpu").model_id() == f"{TRANSFORMERS}:embedded"
     int8 = LLMResource(device="cpu", quantization="int8")
-    assert int8.model_id() == "transformers:embedded+int8r2"
+    assert int8.model_id() == f"{TRANSFORMERS}:embedded+int8"
     monkeypatch.delenv("RSTAR_LLM_QUANTIZATION")
     server = {"backend": "openai", "base_url": "http://127.0.0.1:9/v1", "model": "m"}
     assert LLMResource(**server).model_id() == "openai:m"

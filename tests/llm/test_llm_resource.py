@@ -10,6 +10,7 @@ import pytest
 from rstar_pipelines.llm import SamplingParams
 from rstar_pipelines.llm.openai_backend import OpenAILLM
 from rstar_pipelines.llm.resource import LLMResource
+from tests.llm.conftest import TRANSFORMERS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 ENV = ("RSTAR_LLM_BACKEND", "RSTAR_LLM_MODEL", "RSTAR_LLM_BASE_URL", "RSTAR_LLM_API_KEY")
@@ -24,7 +25,7 @@ def clean_env(monkeypatch):
 def test_defaults_to_the_embedded_model_in_process(embedded_llm):
     resource = LLMResource()
     llm = resource.get_llm()
-    assert llm.name == "transformers:embedded+int4r2"
+    assert llm.name == f"{TRANSFORMERS}:embedded+int4"
     assert resource.get_llm() is llm
 
 

@@ -30,6 +30,7 @@ from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.llm.cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
 from rstar_pipelines.llm.quantized_linear import Int4Linear, Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
+from tests.llm.conftest import TRANSFORMERS
 
 BLOCK = 16
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"
@@ -286,7 +287,7 @@ def test_generate_with_a_budget_covering_the_context_equals_dense(tiny):
     sampled = SamplingParams(n=2, temperature=1.0, max_tokens=30, seed=3)
     before = dense.generate(PROMPTS, greedy)
     sparse = sparse_llm(tiny, token_budget=4096, sparse_backend="torch")
-    assert sparse.name.startswith(f"transformers:{model_dir}+seer(budget=4096,gates=")
+    assert sparse.name.startswith(f"{TRANSFORMERS}:{model_dir}+seer(budget=4096,gates=")
     assert sparse._model is not dense._model
     assert sparse._model.config._attn_implementation == "seer"
     assert sparse.generate(PROMPTS, greedy) == before
@@ -304,7 +305,7 @@ def test_a_covering_budget_equals_dense_on_a_quantized_model(tiny, scheme):
     model_dir = tiny[0]
     dense = load_llm("transformers", model_dir, batch_size=4, device="cpu", quantization=scheme)
     sparse = sparse_llm(tiny, token_budget=4096, sparse_backend="torch", quantization=scheme)
-    assert sparse.name.startswith(f"transformers:{model_dir}+{scheme}+seer(budget=4096,gates=")
+    assert sparse.name.startswith(f"{TRANSFORMERS}:{model_dir}+{scheme}+seer(budget=4096,gates=")
     layer = Int4Linear if scheme == "int4" else Int8Linear
     assert isinstance(sparse._model.model.layers[0].self_attn.q_proj, layer)
     assert sparse._model.config._attn_implementation == "seer"
@@ -378,10 +379,10 @@ def test_resource_passes_sparse_settings_and_names_them(tiny, monkeypatch):
     monkeypatch.setenv("RSTAR_SPARSE_ATTENTION", "seer")
     monkeypatch.setenv("RSTAR_GATE_CHECKPOINT", gates_dir)
     from_env = LLMResource(model=model_dir)
-    assert from_env.model_id() == f"transformers:{model_dir}+seer(budget=4096,gates={gates_dir})"
+    assert from_env.model_id() == f"{TRANSFORMERS}:{model_dir}+seer(budget=4096,gates={gates_dir})"
     monkeypatch.delenv("RSTAR_SPARSE_ATTENTION")
     monkeypatch.delenv("RSTAR_GATE_CHECKPOINT")
-    assert LLMResource(model=model_dir).model_id() == f"transformers:{model_dir}"
+    assert LLMResource(model=model_dir).model_id() == f"{TRANSFORMERS}:{model_dir}"
     with pytest.raises(ValueError, match="runs in-process"):
         LLMResource(
             backend="openai",

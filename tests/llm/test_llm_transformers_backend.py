@@ -16,6 +16,7 @@ from rstar_pipelines.llm import LLM, SamplingParams, load_llm
 from rstar_pipelines.llm.decode_loop import GeneratedTextStopCriteria
 from rstar_pipelines.llm.transformers_backend import TransformersLLM, load_model_and_tokenizer
 from rstar_pipelines.llm.types import render_chat
+from tests.llm.conftest import TRANSFORMERS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -29,7 +30,7 @@ PROMPTS = [
 
 def test_is_an_llm_and_loads_once(embedded_llm):
     assert isinstance(embedded_llm, LLM)
-    assert embedded_llm.name == "transformers:embedded+int4r2"
+    assert embedded_llm.name == f"{TRANSFORMERS}:embedded+int4"
     started = time.monotonic()
     again = load_llm("transformers")
     assert time.monotonic() - started < 1.0
