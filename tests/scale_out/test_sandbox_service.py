@@ -57,13 +57,15 @@ def test_failover_behind_haproxy_every_result_once_in_order():
                 killed = threading.Event()
 
                 def kill_a_mid_batch() -> None:
+                    # Its pool, listed before the wait: the kill follows the look at its queue
+                    # at once, before the batches seen there can finish.
+                    workers = psutil.Process(a.pid).children(recursive=True)
                     # Mid-batch: it has done some work and has batches under way.
                     while (
                         metric(url_a, "rstar_sandbox_jobs_total") < 200
                         or metric(url_a, "rstar_sandbox_queued_jobs") == 0
                     ):
                         time.sleep(0.02)
-                    workers = psutil.Process(a.pid).children(recursive=True)
                     os.killpg(a.pid, signal.SIGKILL)  # the host dies, its pool with it
                     psutil.wait_procs(workers, timeout=10)
                     killed.set()
