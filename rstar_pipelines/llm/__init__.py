@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from .embedded import EmbeddedModelMissing, embedded_model_path, export_embedded_model
+from .quantization import tag as quantization_tag
 from .types import LLM, Completion, Prompt, SamplingParams, truncate_at_stop
 
 BACKENDS = ("transformers", "openai", "vllm")
@@ -44,9 +45,7 @@ TRANSFORMERS_REVISION = 2
 def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
     """The transformers backend's id for `model` under `quantization` and SeerAttention-R
     settings `seer`, which keys its cached completions: "transformers@2:embedded+int4"."""
-    from .quantization import tag
-
-    name = f"transformers@{TRANSFORMERS_REVISION}:{model}{tag(quantization)}"
+    name = f"transformers@{TRANSFORMERS_REVISION}:{model}{quantization_tag(quantization)}"
     return name + (seer.tag if seer else "")
 
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
-from rstar_pipelines.llm import torch_thread
+from rstar_pipelines.llm import torch_thread, transformers_model_id
 from rstar_pipelines.llm.quantization import default_device, resolve_quantization
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
@@ -255,7 +255,8 @@ class AttnGateEvaluation(Stage):
             )
         loaded: list[tuple[Any, Any, Any]] = []
         # The weights the base model decodes with everywhere else (int4 for the embedded model
-        # on a CPU): part of every item's key.
+        # on a CPU), named as the backend names its completions (with its revision, so that
+        # items its older code decoded are not served): part of every item's key.
         quantization = resolve_quantization(None, base, default_device(None))
 
         def model():
@@ -267,7 +268,7 @@ class AttnGateEvaluation(Stage):
                 loaded.append((lm, tokenizer, SeerGates.load(gates_path, device=lm.device)))
             return loaded[0]
 
-        setting = [gates_path, base, quantization, p.backend, p.budgets]
+        setting = [gates_path, transformers_model_id(base, quantization), p.backend, p.budgets]
         # The model's forwards on the torch thread, where it was loaded and where the LLMs of
         # this process generate (module `llm.torch_thread`).
         text_items = ctx.cache.map(
