@@ -1,6 +1,8 @@
 """The kernels of the quantized layers on the embedded model's layer shapes: `Int8Linear`'s
-row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`,
-each against its bfloat16 matmul (what a layer runs from its `gemm_rows` on).
+row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`, each
+against its matmul (what a layer runs from its `gemm_rows` on: bfloat16 where the CPU multiplies it
+natively, else float32), and where the CPU has AMX, `Int4Linear`'s AMX kernel
+(`rstar_kernels.int4_cpu`, what it runs from 4 rows on).
 
     python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20]
 
@@ -24,10 +26,12 @@ import time
 import torch
 
 from rstar_pipelines.llm.quantized_linear import (
+    INT4_AMX_ROWS,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
     kernel_for_batch,
+    matmul_dtype,
 )
 from rstar_sandbox.bench import load_average, machine
 
@@ -42,7 +46,7 @@ LAYER_SHAPES = [
     (HIDDEN, INTERMEDIATE),
     (INTERMEDIATE, HIDDEN),
 ]
-ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
 PREFILL_ROWS = (80, 320, 1280)
 
 
@@ -58,9 +62,8 @@ def cpu_ms(layer: QuantizedLinear, x: torch.Tensor, kernel_rows: int, repeats: i
     return statistics.median(times) * 1e3
 
 
-def step_ms(layers: list[QuantizedLinear], rows: int, matmul: bool, repeats: int) -> float:
-    """CPU ms of `layers` once each at `rows` rows, by the packed kernel or the matmul."""
-    kernel_rows = layers[0].gemm_rows if matmul else 1
+def step_ms(layers: list[QuantizedLinear], rows: int, kernel_rows: int, repeats: int) -> float:
+    """CPU ms of `layers` once each at `rows` rows, by the kernel `kernel_rows` rows choose."""
     return sum(
         cpu_ms(layer, torch.randn(rows, layer.in_features), kernel_rows, repeats)
         for layer in layers
@@ -78,36 +81,42 @@ def main() -> None:
     linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
     int8 = [Int8Linear(linear) for linear in linears]
     int4 = [Int4Linear(linear) for linear in linears]
+    amx = int4[0].amx
     print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(
         f"- load average: {load_average()}; median of {args.repeats}; matmul from "
-        f"{Int8Linear.gemm_rows} rows (int8), {Int4Linear.gemm_rows} (int4)"
+        f"{int8[0].gemm_rows} rows (int8), {int4[0].gemm_rows} (int4)"
     )
     print()
+    matmul = {torch.bfloat16: "bf16 matmul", torch.float32: "float32 matmul"}[matmul_dtype()]
     print(
-        "| rows | LM head, int8pack | LM head, bf16 matmul | 30 layers, int8pack "
-        "| 30 layers, int8 bf16 matmul | 30 layers, int4pack | 30 layers, int4 bf16 matmul |"
+        f"| rows | LM head, int8pack | LM head, {matmul} | 30 layers, int8pack "
+        f"| 30 layers, int8 {matmul} | 30 layers, int4pack | 30 layers, int4 {matmul} |"
+        + (" 30 layers, int4 AMX |" if amx else "")
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if amx else ""))
     for rows in ROWS:
-        cells = [step_ms(head, rows, matmul, args.repeats) for matmul in (False, True)]
+        cells = [step_ms(head, rows, kernel, args.repeats) for kernel in (1, head[0].gemm_rows)]
         for layers in (int8, int4):
             cells += [
-                LAYERS * step_ms(layers, rows, matmul, args.repeats) for matmul in (False, True)
+                LAYERS * step_ms(layers, rows, kernel, args.repeats)
+                for kernel in (1, layers[0].gemm_rows)
             ]
+        if amx:
+            cells.append(LAYERS * step_ms(int4, rows, INT4_AMX_ROWS, args.repeats))
         print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
     print()
     print(
-        "| prompt tokens | 30 layers, int8pack | 30 layers, int8 bf16 matmul "
-        "| 30 layers, int4pack | 30 layers, int4 bf16 matmul |"
+        f"| prompt tokens | 30 layers, int8pack | 30 layers, int8 {matmul} "
+        f"| 30 layers, int4pack | 30 layers, int4 {matmul} |"
     )
     print("| --- | --- | --- | --- | --- |")
     repeats = max(3, args.repeats // 4)
     for rows in PREFILL_ROWS:
         cells = [
-            LAYERS * step_ms(layers, rows, matmul, repeats)
+            LAYERS * step_ms(layers, rows, kernel, repeats)
             for layers in (int8, int4)
-            for matmul in (False, True)
+            for kernel in (1, layers[0].gemm_rows)
         ]
         print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
 

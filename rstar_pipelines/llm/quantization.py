@@ -6,26 +6,27 @@ model generation" and "int4 weights").
 - "int8": every linear layer, the LM head included, keeps its weight as int8 with one scale per
   output row (symmetric, absmax / 127) and runs through torch's weight-only int8 matmul,
   `aten._weight_int8pack_mm` (the kernel Inductor lowers weight-only int8 linears to), on bfloat16
-  activations with a float32 result; from 8 rows on, and for a prompt's prefill, through a
-  bfloat16 matmul over the same integers, which that row-by-row kernel cannot match for many rows
-  (module `quantized_linear`). Decoding few rows is memory-bound on a CPU: a quarter of the weight
-  bytes per step is most of the gain. Activations are not quantized, so under one kernel a row's
-  result does not depend on the other rows of its batch.
+  activations with a float32 result; from 8 rows on, and for a prompt's prefill, through a matmul
+  over the same integers (bfloat16 where the CPU multiplies it natively, else float32), which that
+  row-by-row kernel cannot match for many rows (module `quantized_linear`). Decoding few rows is
+  memory-bound on a CPU: a quarter of the weight bytes per step is most of the gain. Activations are
+  not quantized, so under one kernel a row's result does not depend on the other rows of its batch.
 - "int4" (the default for the embedded model and its checkpoints on a CPU): the decoder layers'
   linear layers keep 4-bit weights in groups of 32 inputs with a scale and a zero each, the layout
-  the embedded GGUF file ships them in (Q4_1), so the groups land back on the file's grid (up to
-  the bfloat16 rounding of each scale and zero); torch's `aten._weight_int4pack_mm_for_cpu` runs
-  them, through a bfloat16 matmul from 32 rows on and for a prompt's prefill. The LM head, which
-  the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer whose shape the int4
-  kernel does not take, are int8 as above. Half the bytes of int8 per step, and closer to float32
-  on the embedded model (teacher-forced KL 0.0017 against int8's 0.0034). A checkpoint trained
-  from the embedded model keeps the embedded model's grid (`quantize`'s `grid`): its weights round
-  to the base's groups, so what training left alone decodes exactly as the base does and only
-  weights an update moved by half a step change. Fitted afresh, every group whose minimum or
-  maximum moved would land on a new grid: after the demo's one SFT step that changed the decoded
-  value of 6.7% of the decoder weights, by 68 times the norm of the update itself (int8, whose
-  rows are fitted afresh: 0.2% of the weights, 21 times), so that comparing a checkpoint with its
-  base would have measured the rounding.
+  the embedded GGUF file ships them in (Q4_1), so the groups land back on the file's grid (up to the
+  bfloat16 rounding of each scale and zero); torch's `aten._weight_int4pack_mm_for_cpu` runs them
+  (on a CPU with AMX, our kernel `rstar_kernels.int4_cpu` from 4 rows), through the matmul from 32
+  rows on (48 with AMX, 12 where the matmul is float32) and for a prompt's prefill. The LM head,
+  which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer whose shape the int4
+  kernel does not take, are int8 as above. Half the bytes of int8 per step, and closer to float32 on
+  the embedded model (teacher-forced KL 0.0017 against int8's 0.0034). A checkpoint trained from the
+  embedded model keeps the embedded model's grid (`quantize`'s `grid`): its weights round to the
+  base's groups, so what training left alone decodes exactly as the base does and only weights an
+  update moved by half a step change. Fitted afresh, every group whose minimum or maximum moved
+  would land on a new grid: after the demo's one SFT step that changed the decoded value of 6.7% of
+  the decoder weights, by 68 times the norm of the update itself (int8, whose rows are fitted
+  afresh: 0.2% of the weights, 21 times), so that comparing a checkpoint with its base would have
+  measured the rounding.
 
 Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
 - torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the

@@ -2,45 +2,78 @@
 which layers each scheme quantizes, and why these kernels).
 
 Each layer has two kernels over the same weights: a weight-only kernel that reads the packed
-integers (fastest for few rows: decoding few rows is memory-bound on a CPU) and a bfloat16
-matmul, which those kernels cannot match for many rows (`benchmarks/quantized_kernels.py`;
-docs/benchmarks.md). A forward of one token a row (a decode step) picks by its rows: the matmul
-from `gemm_rows` on. A decode call pins one kernel for all its steps (`kernel_for_batch`), so
-rows that leave the batch change no other row's numbers. A forward of several tokens a row (a
-prefill) always takes the matmul, pinned or not: its rows are tokens, hundreds for one prompt,
-and the packed kernels' cost grows with them (1,280 rows through the 30 int4 decoder layers:
-1.57 s against the matmul's 0.23), and whatever the batch, a prompt's cache is the same.
-Activations are bfloat16 in both kernels and never quantized, so under one kernel a row's
-result does not depend on the other rows of its batch.
+integers (fastest for few rows: decoding few rows is memory-bound on a CPU) and a matmul over the
+dequantized weights, which those kernels cannot match for many rows
+(`benchmarks/quantized_kernels.py`; docs/benchmarks.md). The matmul is bfloat16 where the CPU
+multiplies bfloat16 natively (AVX512-BF16, AMX) and float32 elsewhere (an AVX2 CPU emulates bfloat16
+at a quarter of float32's speed), over a copy of the dequantized weights in that dtype kept beside
+the packed ones: memory for speed (float32: 4 bytes a weight), while a step of few rows still reads
+only the packed bytes. A forward of one token a row (a decode step) picks by its rows: the matmul
+from `gemm_rows` on. A decode call pins one kernel for all its steps (`kernel_for_batch`), so rows
+that leave the batch change no other row's numbers. A forward of several tokens a row (a prefill)
+always takes the matmul, pinned or not: its rows are tokens, hundreds for one prompt, and the packed
+kernels' cost grows with them (1,280 rows through the 30 int4 decoder layers: 1.57 s against the
+matmul's 0.23), and whatever the batch, a prompt's cache is the same. Activations are rounded to
+bfloat16 in both kernels and never quantized, so under one kernel a row's result does not depend on
+the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` for that).
 
 - `Int8Linear`: int8 weights, one scale per output row (symmetric, absmax / 127);
   `aten._weight_int8pack_mm` runs a batch row by row (the LM head: 5.4 ms at 1 row, 37 at 16,
-  86 at 48, one thread), so the matmul takes over from 8 rows. Both kernels compute the same
-  products of bfloat16 activations and the int8 values with float32 sums; they differ by one
-  bfloat16 rounding of the sums.
+  86 at 48, one thread), so the matmul takes over from 8 rows (12 where it is float32). Both
+  kernels compute the same products of bfloat16 activations and the int8 values with float32
+  sums; they differ by one bfloat16 rounding of the sums (none for the float32 matmul).
 - `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the
   layout of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder
   layers ship in: fitted to each group's minimum and maximum, the groups land on the file's own
   grid, up to the bfloat16 rounding of the scale and zero the kernel reads. Torch's
-  `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 and stays ahead of the
-  matmul up to about 24 rows, so the matmul, over the dequantized weights in bfloat16, takes
-  over from 32. The two kernels differ by the bfloat16 rounding of those weights.
+  `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again
+  for every few rows; on a CPU with AMX the kernel of `rstar_kernels.int4_cpu` unpacks them once
+  a call and takes over from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one
+  thread), and the matmul from 48 (from 32 where only torch's kernel runs, 12 where the matmul
+  is float32). Torch's kernel and the bfloat16 matmul differ from the exact weights' float32
+  sums by bfloat16 roundings (of the sums, of the weights); the AMX kernel and the float32
+  matmul compute those sums.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-# From this many rows on, the bfloat16 matmul is faster (measured crossovers: 8 rows for int8,
-# 24-32 for int4, docs/benchmarks.md).
+from rstar_kernels import int4_cpu
+
+# From this many rows on, the matmul is faster (measured crossovers: 8 rows for int8, 24-32 for
+# int4 against a bfloat16 matmul; 10-16 for both against a float32 one; docs/benchmarks.md).
 GEMM_ROWS = 8
 INT4_GEMM_ROWS = 32
+FLOAT32_GEMM_ROWS = 12
+# CPU features with which oneDNN multiplies bfloat16 natively; without them its bfloat16 matmul
+# is 3-4 times slower than float32's (an AVX2 EPYC, 30 decoder layers at 16 rows, one thread:
+# 388 ms against 98; a prefill of 1,280 tokens: 30 s against 3.6).
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}
+# A float32 matmul of fewer rows takes other paths in MKL (a matrix-vector product for one row,
+# other splits among two threads for 5-7 or 9-11) whose sums differ in the last bits from those
+# of 12 rows and more; padded to this many, a row's result does not depend on its batch.
+FLOAT32_MATMUL_ROWS = 12
+# Where the AMX kernel (`rstar_kernels.int4_cpu`) runs, it takes over from torch's int4 kernel
+# from 4 rows (a 576 x 1536 layer, one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against
+# 87 / 158 / 560) and keeps ahead of the matmul up to about 48 (with the weights in the cache,
+# 24 / 32 rows: 222 / 282 us against 388 / 414; 48: 514 against 473).
+INT4_AMX_ROWS = 4
+INT4_AMX_GEMM_ROWS = 48
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
+
+
+@functools.cache
+def matmul_dtype() -> torch.dtype:
+    """The dtype of the matmul's weights and activations: bfloat16 where the CPU multiplies it
+    natively, else float32 (over weights dequantized once, the same values)."""
+    return torch.bfloat16 if BF16_CPU_FLAGS & int4_cpu.cpu_flags() else torch.float32
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -52,16 +85,20 @@ class QuantizedLinear(torch.nn.Module):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.bias = linear.bias
+        self.matmul_dtype = matmul_dtype()
+        if self.matmul_dtype == torch.float32:
+            self.gemm_rows = FLOAT32_GEMM_ROWS
         # The rows that choose the kernel: None, each call's own; set by `kernel_for_batch`.
         self.batch_rows: int | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.bfloat16).contiguous()
         several_tokens = x.dim() > 2 and x.shape[-2] > 1  # [batch, tokens, in_features]
-        if several_tokens or (self.batch_rows or rows.shape[0]) >= self.gemm_rows:
+        batch_rows = self.batch_rows or rows.shape[0]
+        if several_tokens or batch_rows >= self.gemm_rows:
             out = self._matmul(rows)
         else:
-            out = self._packed(rows)
+            out = self._packed(rows, batch_rows)
         out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
@@ -70,7 +107,17 @@ class QuantizedLinear(torch.nn.Module):
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+    def _linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """`rows` times `weight` (in its dtype), padded to `FLOAT32_MATMUL_ROWS` in float32."""
+        x = rows.to(weight.dtype)
+        short = FLOAT32_MATMUL_ROWS - x.shape[0]
+        if weight.dtype != torch.float32 or short <= 0:
+            return torch.nn.functional.linear(x, weight)
+        return torch.nn.functional.linear(torch.nn.functional.pad(x, (0, 0, 0, short)), weight)[
+            : rows.shape[0]
+        ]
+
+    def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -89,14 +136,14 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("weight_int8", rounded.to(torch.int8).contiguous())
         self.register_buffer("scale", scale)
         # The same integers for the matmul: exact, |q| <= 127 fits bfloat16's 8-bit significand.
-        self.register_buffer("weight_bf16", rounded.to(torch.bfloat16), persistent=False)
+        self.register_buffer("weight_matmul", rounded.to(self.matmul_dtype), persistent=False)
         self.register_buffer("scale_float", scale.float(), persistent=False)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        sums = torch.nn.functional.linear(rows, self.weight_bf16)
+        sums = self._linear(rows, self.weight_matmul)
         return torch.mul(sums, self.scale_float)  # float32 by type promotion
 
-    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+    def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
@@ -158,17 +205,29 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer(
             "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         )
+        # The AMX kernel's copy of the same integers, scales and zeros (float32 from bfloat16:
+        # the same grid), where it runs.
+        self.amx = int4_cpu.available()
+        if self.amx:
+            self.gemm_rows = INT4_AMX_GEMM_ROWS
+            self.register_buffer(
+                "weight_amx", int4_cpu.pack(q.view(self.out_features, -1)), persistent=False
+            )
+            self.register_buffer("scale_amx", int4_cpu.pack_groups(scale), persistent=False)
+            self.register_buffer("zero_amx", int4_cpu.pack_groups(zero), persistent=False)
         dequantized = (q - 8) * scale.float()[..., None] + zero.float()[..., None]
         self.register_buffer(
-            "weight_bf16",
-            dequantized.view(self.out_features, self.in_features).to(torch.bfloat16),
+            "weight_matmul",
+            dequantized.view(self.out_features, self.in_features).to(self.matmul_dtype),
             persistent=False,
         )
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(rows, self.weight_bf16)
+        return self._linear(rows, self.weight_matmul)
 
-    def _packed(self, rows: torch.Tensor) -> torch.Tensor:
+    def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
+        if self.amx and batch_rows >= INT4_AMX_ROWS:
+            return int4_cpu.mm(rows, self.weight_amx, self.scale_amx, self.zero_amx)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros
         )

@@ -13,17 +13,22 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
+from rstar_kernels import int4_cpu
 from rstar_pipelines import llm as llm_package
-from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm
+from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm, quantized_linear
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.quantized_linear import (
+    FLOAT32_GEMM_ROWS,
     GEMM_ROWS,
+    INT4_AMX_GEMM_ROWS,
+    INT4_AMX_ROWS,
     INT4_GEMM_ROWS,
     INT4_GROUP,
     Int4Linear,
     Int8Linear,
     kernel_for_batch,
+    matmul_dtype,
 )
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
@@ -60,29 +65,38 @@ def test_int4_by_default_only_for_the_embedded_model_and_its_checkpoints_on_a_cp
         resolve_quantization("int8", "embedded", "cuda")
 
 
-def outputs_by_kernel(layer, x: torch.Tensor, want: torch.Tensor) -> dict[int, torch.Tensor]:
-    """The layer's outputs for `x` (one token a row) under its packed kernel (1 row) and its
-    matmul (`gemm_rows`), each close to `want`, float32, and the same for a row whatever its
-    batch; a forward of several tokens a row takes the matmul under either."""
+def float32_matmul() -> bool:
+    return matmul_dtype() == torch.float32
+
+
+def outputs_by_kernel(
+    layer, x: torch.Tensor, want: torch.Tensor, pins: tuple[int, ...] | None = None
+) -> dict[int, torch.Tensor]:
+    """The layer's outputs for `x` (one token a row) pinned to each of `pins` (default: its
+    packed kernel, 1 row, and its matmul, `gemm_rows`), each close to `want`, float32, and the
+    same for a row whatever its batch; a forward of several tokens a row takes the matmul under
+    any pin."""
+    pins = pins or (1, layer.gemm_rows)
     with (
         mock.patch.object(layer, "_packed", wraps=layer._packed) as packed,
         mock.patch.object(layer, "_matmul", wraps=layer._matmul) as matmul,
     ):
         by_kernel = {}
-        for rows in (1, layer.gemm_rows):  # the packed kernel, then the matmul
+        for rows in pins:
             with kernel_for_batch(layer, rows):
                 got = by_kernel[rows] = layer(x)
                 assert got.shape == want.shape and got.dtype == torch.float32
                 torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
                 # Weight-only: under one kernel a row's result does not depend on its batch.
                 assert torch.equal(layer(x[2:3]), got[2:3])
-        assert (packed.call_count, matmul.call_count) == (2, 2)
+        packed_pins = sum(rows < layer.gemm_rows for rows in pins)
+        assert (packed.call_count, matmul.call_count) == (2 * packed_pins, 2)
         # A prefill (the same rows as 5 prompts of 3 tokens) takes the matmul, pinned or not.
         prefill = x.view(5, 3, -1)
-        for rows in (None, 1, layer.gemm_rows):
+        for rows in (None, *pins):
             with kernel_for_batch(layer, rows) if rows else contextlib.nullcontext():
                 assert torch.equal(layer(prefill), by_kernel[layer.gemm_rows].view(5, 3, -1))
-        assert (packed.call_count, matmul.call_count) == (2, 5)
+        assert (packed.call_count, matmul.call_count) == (2 * packed_pins, 3 + len(pins))
     return by_kernel
 
 
@@ -101,9 +115,10 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     assert want.shape == (15, 1, 48)
     by_kernel = outputs_by_kernel(layer, x, want)
     # The two kernels differ by the one rounding of their sums to bfloat16.
-    torch.testing.assert_close(by_kernel[1], by_kernel[GEMM_ROWS], rtol=8e-3, atol=1e-2)
+    assert layer.gemm_rows == (FLOAT32_GEMM_ROWS if float32_matmul() else GEMM_ROWS)
+    torch.testing.assert_close(by_kernel[1], by_kernel[layer.gemm_rows], rtol=8e-3, atol=1e-2)
     # Unpinned, each call's rows choose: 15 rows the matmul, 1 the row kernel.
-    assert torch.equal(layer(x), by_kernel[GEMM_ROWS])
+    assert torch.equal(layer(x), by_kernel[layer.gemm_rows])
     assert torch.equal(layer(x[2:3]), by_kernel[1][2:3])
 
 
@@ -127,19 +142,92 @@ def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
 def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     linear = q4_1_layer(48, 3 * INT4_GROUP)
     layer = Int4Linear(linear)
-    # Both kernels hold the layer's weights exactly: the matmul's as the dequantized grid, the
-    # int4 kernel's as its packed integers (read back through unit inputs, with the bias).
-    assert torch.equal(layer.weight_bf16.float(), linear.weight)
-    with kernel_for_batch(layer, 1), torch.no_grad():
-        unit = layer(torch.eye(3 * INT4_GROUP)) - linear.bias
-    torch.testing.assert_close(unit, linear.weight.T, rtol=0, atol=1e-6)
+    assert layer.amx == int4_cpu.available()
+    packed_pins = (1, INT4_AMX_ROWS) if layer.amx else (1,)
+    # Every kernel holds the layer's weights exactly: the matmul's as the dequantized grid, the
+    # int4 kernels' as their packed integers (read back through unit inputs, with the bias).
+    assert torch.equal(layer.weight_matmul.float(), linear.weight)
+    for rows in packed_pins:
+        with kernel_for_batch(layer, rows), torch.no_grad():
+            unit = layer(torch.eye(3 * INT4_GROUP)) - linear.bias
+        torch.testing.assert_close(unit, linear.weight.T, rtol=0, atol=1e-6)
     x = torch.randn(15, 1, 3 * INT4_GROUP)  # a decode step of 15 rows
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
-    assert want.shape == (15, 1, 48) and layer.gemm_rows == INT4_GEMM_ROWS
-    by_kernel = outputs_by_kernel(layer, x, want)
-    torch.testing.assert_close(by_kernel[1], by_kernel[INT4_GEMM_ROWS], rtol=8e-3, atol=1e-2)
-    # Unpinned, each call's rows choose: 15 rows the int4 kernel, as one row does.
-    assert torch.equal(layer(x), by_kernel[1])
+    assert want.shape == (15, 1, 48)
+    if layer.amx:
+        assert layer.gemm_rows == INT4_AMX_GEMM_ROWS
+    else:
+        assert layer.gemm_rows == (FLOAT32_GEMM_ROWS if float32_matmul() else INT4_GEMM_ROWS)
+    with mock.patch.object(int4_cpu, "mm", wraps=int4_cpu.mm) as amx:
+        by_kernel = outputs_by_kernel(layer, x, want, (*packed_pins, layer.gemm_rows))
+        # Unpinned, each call's rows choose: 15 rows the AMX kernel where it runs, else the
+        # kernel 15 rows choose (torch's int4 kernel, or the matmul from its gemm_rows).
+        fifteen = layer.gemm_rows if layer.gemm_rows <= 15 else packed_pins[-1]
+        assert torch.equal(layer(x), by_kernel[fifteen])
+    torch.testing.assert_close(by_kernel[1], by_kernel[layer.gemm_rows], rtol=8e-3, atol=1e-2)
+    if layer.amx:
+        # Float32 sums of the exact weights: the bfloat16 rounding of torch's kernel's sums and
+        # the matmul's are not in it.
+        torch.testing.assert_close(by_kernel[INT4_AMX_ROWS], want, rtol=1e-5, atol=1e-5)
+    # Pinned: 15 rows and one of them; unpinned: 15 rows.
+    assert amx.call_count == (3 if layer.amx else 0)
+
+
+def test_int4_linear_keeps_torchs_kernel_where_the_amx_kernel_cannot_run():
+    linear = q4_1_layer(48, 3 * INT4_GROUP)
+    with mock.patch.object(int4_cpu, "available", return_value=False):
+        layer = Int4Linear(linear)
+    assert not layer.amx and not hasattr(layer, "weight_amx")
+    x = torch.randn(15, 1, 3 * INT4_GROUP)
+    with mock.patch.object(int4_cpu, "mm") as amx:
+        got = layer(x)
+    assert amx.call_count == 0
+    want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_the_matmul_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
+    matmul_dtype.cache_clear()
+    try:
+        for flags, dtype in (
+            ({"avx2", "fma"}, torch.float32),
+            ({"avx512f", "avx512_bf16"}, torch.bfloat16),
+            ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
+        ):
+            monkeypatch.setattr(int4_cpu, "cpu_flags", lambda flags=flags: flags)
+            assert matmul_dtype() == dtype
+            matmul_dtype.cache_clear()
+    finally:
+        matmul_dtype.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_matmuls_hold_the_same_weights(dtype):
+    linear = q4_1_layer(48, 3 * INT4_GROUP)
+    with (
+        mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
+        mock.patch.object(int4_cpu, "available", return_value=False),
+    ):
+        int4, int8 = Int4Linear(linear), Int8Linear(linear)
+    assert int4.gemm_rows == (FLOAT32_GEMM_ROWS if dtype == torch.float32 else INT4_GEMM_ROWS)
+    assert int4.weight_matmul.dtype == int8.weight_matmul.dtype == dtype
+    x = torch.randn(15, 1, 3 * INT4_GROUP).bfloat16().float()
+    int8_weight = int8.weight_int8.float() * int8.scale.float()[:, None]
+    for layer, weight in ((int4, linear.weight), (int8, int8_weight)):
+        want = F.linear(x, weight, linear.bias)
+        with kernel_for_batch(layer, layer.gemm_rows):
+            got = layer(x)
+        assert got.dtype == torch.float32
+        if dtype == torch.float32:
+            # Float32 products and sums of the same values (int8's scale applied after the
+            # sums): only the order and roundings of the sums differ.
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+        # Under the matmul a row's result does not depend on its batch (float32: padded).
+        with kernel_for_batch(layer, layer.gemm_rows):
+            for rows in (slice(2, 3), slice(0, 5), slice(3, 14)):
+                assert torch.equal(layer(x[rows]), got[rows])
 
 
 def test_int4_linear_rounds_other_weights_to_their_groups_grid():
@@ -150,7 +238,7 @@ def test_int4_linear_rounds_other_weights_to_their_groups_grid():
     layer = Int4Linear(linear)
     scale, zero = layer.scales_and_zeros.float().unbind(-1)  # [groups, out]
     step = scale.T.repeat_interleave(INT4_GROUP, dim=1)
-    error = (layer.weight_bf16.float() - linear.weight).abs()
+    error = (layer.weight_matmul.float() - linear.weight).abs()
     # Half a step from its grid point, and the grid's bfloat16 rounding on top.
     assert (error <= step / 2 + linear.weight.abs() / 128).all()
     # Each group's least and greatest weights are its grid's ends (q = 0 and q = 15).
@@ -174,7 +262,7 @@ def test_int4_linear_on_a_base_models_grid_moves_only_what_training_moved():
         trained.weight[4, INT4_GROUP] += 40 * step[4, INT4_GROUP]  # past the range: its end
     layer = Int4Linear(trained, grid)
     assert torch.equal(layer.scales_and_zeros, grid)
-    decoded = layer.weight_bf16.float()
+    decoded = layer.weight_matmul.float()
     moved = decoded != base.weight
     assert moved.sum() == 2 and moved[3, 0] and moved[4, INT4_GROUP]
     assert decoded[3, 0] == base.weight[3, 0] + step[3, 0]
@@ -195,7 +283,7 @@ def test_a_checkpoint_quantized_on_its_bases_grid_decodes_as_the_base_where_untr
     for name, layer in int4.items():
         base_layer = base.get_submodule(name)
         assert torch.equal(layer.scales_and_zeros, base_layer.scales_and_zeros)
-        same = torch.equal(layer.weight_bf16, base_layer.weight_bf16)
+        same = torch.equal(layer.weight_matmul, base_layer.weight_matmul)
         assert same == (name != "model.layers.1.mlp.down_proj"), name
 
 
