@@ -107,8 +107,10 @@ class QuantizedLinear(torch.nn.Module):
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def _linear(self, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """`rows` times `weight` (in its dtype), padded to `FLOAT32_MATMUL_ROWS` in float32."""
+    def _linear(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` times the layer's `weight_matmul` in its dtype, padded to `FLOAT32_MATMUL_ROWS`
+        in float32."""
+        weight = self.weight_matmul
         x = rows.to(weight.dtype)
         short = FLOAT32_MATMUL_ROWS - x.shape[0]
         if weight.dtype != torch.float32 or short <= 0:
@@ -140,7 +142,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scale_float", scale.float(), persistent=False)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        sums = self._linear(rows, self.weight_matmul)
+        sums = self._linear(rows)
         return torch.mul(sums, self.scale_float)  # float32 by type promotion
 
     def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
@@ -223,7 +225,7 @@ class Int4Linear(QuantizedLinear):
         )
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return self._linear(rows, self.weight_matmul)
+        return self._linear(rows)
 
     def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
         if self.amx and batch_rows >= INT4_AMX_ROWS:
