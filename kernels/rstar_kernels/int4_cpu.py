@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from rstar_kernels.cpu_features import cpu_flags
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("int4_cpu.c")
@@ -47,16 +49,6 @@ FLAGS = (
 CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw"}
 GROUP = 32  # inputs per scale and zero
 BLOCK = 16  # outputs per tile
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as Linux names them (/proc/cpuinfo; empty where it is absent)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((line for line in text.splitlines() if line.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 def _cache_dir() -> Path:

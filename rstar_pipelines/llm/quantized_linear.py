@@ -44,17 +44,13 @@ from typing import Any
 
 import torch
 
-from rstar_kernels import int4_cpu
+from rstar_kernels import cpu_features, int4_cpu
 
 # From this many rows on, the matmul is faster (measured crossovers: 8 rows for int8, 24-32 for
 # int4 against a bfloat16 matmul; 10-16 for both against a float32 one; docs/benchmarks.md).
 GEMM_ROWS = 8
 INT4_GEMM_ROWS = 32
 FLOAT32_GEMM_ROWS = 12
-# CPU features with which oneDNN multiplies bfloat16 natively; without them its bfloat16 matmul
-# is 3-4 times slower than float32's (an AVX2 EPYC, 30 decoder layers at 16 rows, one thread:
-# 388 ms against 98; a prefill of 1,280 tokens: 30 s against 3.6).
-BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16"}
 # A float32 matmul of fewer rows takes other paths in MKL (a matrix-vector product for one row,
 # other splits among two threads for 5-7 or 9-11) whose sums differ in the last bits from those
 # of 12 rows and more; padded to this many, a row's result does not depend on its batch.
@@ -72,8 +68,9 @@ INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
 @functools.cache
 def matmul_dtype() -> torch.dtype:
     """The dtype of the matmul's weights and activations: bfloat16 where the CPU multiplies it
-    natively, else float32 (over weights dequantized once, the same values)."""
-    return torch.bfloat16 if BF16_CPU_FLAGS & int4_cpu.cpu_flags() else torch.float32
+    natively, else float32 (over weights dequantized once, the same values; emulated, bfloat16's
+    matmul is 3-4 times slower than float32's, a prefill of 1,280 tokens 30 s against 3.6)."""
+    return torch.bfloat16 if cpu_features.native_bfloat16() else torch.float32
 
 
 class QuantizedLinear(torch.nn.Module):

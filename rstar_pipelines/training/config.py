@@ -58,8 +58,11 @@ class LaunchConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     processes: int = Field(1, ge=1, description="processes on this machine (one per GPU)")
-    mixed_precision: Literal["no", "bf16", "fp16"] = Field(
-        "no", description="autocast with float32 master weights; fp16 needs a GPU"
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = Field(
+        "no",
+        description="autocast with float32 master weights; fp16 needs a GPU; auto: bf16 where "
+        "the machine's GPUs (compute capability 8.0 or newer) or, without GPUs, its CPU "
+        "(AVX512-BF16 or AMX) multiply bfloat16 natively, else no (the gate job: no)",
     )
     accelerate_config: str | None = Field(
         None, description=f"an accelerate config file, or one of TRL's: {TRL_ACCELERATE_CONFIGS}"

@@ -25,6 +25,7 @@ from typing import Any
 from dagster_pipes import PipesContext, open_dagster_pipes
 
 from rstar_pipelines import settings
+from rstar_pipelines.training import devices
 from rstar_pipelines.training.config import TRL_ACCELERATE_CONFIGS, LaunchConfig
 from rstar_pipelines.training.run import BadInput, RunConfig, read_config, read_rows
 
@@ -61,7 +62,7 @@ def check_launch(config: RunConfig, train_settings: Any) -> None:
                 "the gate job distils with its own loop (rstar_kernels.distill) in one float32 "
                 f"process: its launch cannot set {', '.join(named)}"
             )
-    gpus = _cuda_devices()
+    gpus = devices.cuda_devices()
     if launch.mixed_precision == "fp16" and not gpus:
         raise BadInput(
             "mixed_precision fp16 needs a CUDA GPU and this machine has none: use bf16 or no"
@@ -93,21 +94,6 @@ def check_launch(config: RunConfig, train_settings: Any) -> None:
             check_batches(train_settings, launch)
         except ValueError as error:
             raise BadInput(str(error)) from error
-
-
-def _cuda_devices() -> int:
-    """GPUs visible to this machine's processes, without importing torch (nvidia-smi)."""
-    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        return 0
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--list-gpus"], capture_output=True, text=True, timeout=30, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return 0
-    count = sum(1 for line in out.splitlines() if line.startswith("GPU "))
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return min(count, len(visible.split(","))) if visible else count
 
 
 def _missing(module: str) -> bool:

@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rstar_pipelines.agent.reward import AgentProblem
+from rstar_pipelines.training import devices
 from rstar_pipelines.training.config import LaunchConfig
 from rstar_pipelines.training.gate import GateTrainSettings
 from rstar_pipelines.training.grpo import GRPOTrainConfig
@@ -80,9 +81,11 @@ def read_config(path: Path) -> tuple[RunConfig, TrainSettings]:
         raise BadInput(f"config file not found: {path}")
     try:
         config = RunConfig.model_validate_json(path.read_text())
-        return config, TRAIN_CONFIGS[config.job].model_validate(config.train)
+        train = TRAIN_CONFIGS[config.job].model_validate(config.train)
     except ValidationError as error:
         raise BadInput(f"invalid config {path}: {error}") from error
+    # The launcher and every rank resolve `auto` on this machine, to the same precision.
+    return config.model_copy(update={"launch": devices.resolved(config.launch, config.job)}), train
 
 
 def read_rows(config: RunConfig) -> list[dict]:

@@ -42,6 +42,7 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
 )
 from rstar_pipelines.storage import schemas
+from rstar_pipelines.training import devices
 from rstar_pipelines.training.config import LaunchConfig
 from rstar_pipelines.training.ppm import PPMTrainConfig
 from rstar_pipelines.training.run import METRICS_FILE
@@ -119,7 +120,9 @@ class TrainingStage(Stage):
             "job": self.job,
             "base_model": base,
             "train": self.train_settings(ctx),
-            "launch": p.launch.model_dump(mode="json"),
+            # `auto` resolved here, on the machine that trains: the precision is in the
+            # fingerprint, so a bfloat16 job is never resumed or reused as a float32 one.
+            "launch": devices.resolved(p.launch, self.job).model_dump(mode="json"),
             "num_threads": p.num_threads,
         }
         root = settings.data_dir() / "checkpoints" / self.checkpoint_name()
@@ -139,7 +142,11 @@ class TrainingStage(Stage):
         shown = {k: v for k, v in row.items() if v is not None and k not in ("id", "job")}
         losses = m["losses"]
         updates = len(losses)  # one loss per optimizer step taken
-        metadata = {**shown, "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss")}
+        metadata = {
+            **shown,
+            "mixed_precision": m["launch"]["mixed_precision"],
+            "loss_curve": line_plot(losses, f"{self.job} loss", "step", "loss"),
+        }
         if m.get("heldout_accuracy_curve"):
             metadata["heldout_accuracy_curve"] = line_plot(
                 m["heldout_accuracy_curve"], "held-out pairwise accuracy", "evaluation", "accuracy"

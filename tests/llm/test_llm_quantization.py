@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rstar_kernels import int4_cpu
+from rstar_kernels import cpu_features, int4_cpu
 from rstar_pipelines import llm as llm_package
 from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm, quantized_linear
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
@@ -194,7 +194,7 @@ def test_the_matmul_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkey
             ({"avx512f", "avx512_bf16"}, torch.bfloat16),
             ({"avx512f", "amx_tile", "amx_bf16"}, torch.bfloat16),
         ):
-            monkeypatch.setattr(int4_cpu, "cpu_flags", lambda flags=flags: flags)
+            monkeypatch.setattr(cpu_features, "cpu_flags", lambda flags=flags: flags)
             assert matmul_dtype() == dtype
             matmul_dtype.cache_clear()
     finally:

@@ -124,7 +124,9 @@ def test_a_stage_in_dagster_shows_rounded_figures_descriptions_its_artifact_and_
 def test_a_training_that_made_no_update_fails_its_warning_check(tmp_path):
     stage = PolicyCheckpoint(PolicyTrainingParams(model="policy"))
     ctx = StageContext(partition_key=None, log=logging.getLogger("t"), run_id="r")
-    metrics = {"losses": [], "steps": 2, "examples": 4, "seconds": 1.5}
+    # As the training process writes them (module training.run), the launch it ran included.
+    launch = {"processes": 1, "mixed_precision": "no"}
+    metrics = {"losses": [], "steps": 2, "examples": 4, "seconds": 1.5, "launch": launch}
     [check] = stage._result(ctx, tmp_path, "embedded", metrics).checks
     assert (check.name, check.passed, check.metadata["optimizer_updates"]) == (
         "made_updates",
@@ -133,6 +135,7 @@ def test_a_training_that_made_no_update_fails_its_warning_check(tmp_path):
     )
     trained = stage._result(ctx, tmp_path, "embedded", {**metrics, "losses": [0.5, 0.4]})
     assert trained.checks[0].passed
+    assert trained.metadata["mixed_precision"] == "no"  # what the job ran, `auto` resolved
     [spec] = PolicyCheckpoint.checks
     assert spec.warn and not spec.blocking
     with pytest.raises(ValueError, match="never blocks"):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rstar_kernels import cpu_features
 from rstar_pipelines import settings
 from rstar_pipelines.math.steps import TAGS
 from rstar_pipelines.storage import query, schemas
@@ -175,7 +176,7 @@ def test_a_killed_job_resumes_when_materialized_again(one_process, tiny_base, tm
     text = text.replace("  policy: null", f"  policy: {tiny_base}").replace(
         declared, f"      train: {train}\n      num_threads: 1\n"
     )
-    declared_launch = "      launch: {processes: 1, mixed_precision: bf16, save_steps: 50}\n"
+    declared_launch = "      launch: {processes: 1, mixed_precision: auto, save_steps: 50}\n"
     assert declared_launch in text
     # float32, as the uninterrupted run it is compared with, and a checkpoint every 4 steps.
     text = text.replace(declared_launch, "      launch: {processes: 1, save_steps: 4}\n", 1)
@@ -246,15 +247,19 @@ def ppm_config(tmp_path: Path, base: str, data: Path, **launch_settings) -> dict
 def test_ppm_job_writes_checkpoint_and_metrics(tiny_base, tmp_path):
     data = tmp_path / "pairs.parquet"
     pq.write_table(pa.Table.from_pylist(separable_pairs(10)), data)
-    result = launch(tmp_path, ppm_config(tmp_path, tiny_base, data))
+    result = launch(tmp_path, ppm_config(tmp_path, tiny_base, data, mixed_precision="auto"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "PPM step 4/4: loss" in result.stderr  # progress, relayed to stderr outside Dagster
+    # auto, resolved for this CPU by the launcher and the rank alike (tests/training/test_devices).
+    precision = "bf16" if cpu_features.native_bfloat16() else "no"
+    assert f"mixed precision {precision}" in result.stderr
 
     metrics = json.loads((tmp_path / "ppm" / "training_metrics.json").read_text())
     assert metrics["job"] == "ppm" and metrics["base_model"] == tiny_base
     assert metrics["steps"] == len(metrics["losses"]) == 4
     assert (metrics["train_pairs"], metrics["heldout_pairs"]) == (8, 2)
     assert metrics["train"]["lr"] == 3e-3 and metrics["launch"]["processes"] == 1
+    assert metrics["launch"]["mixed_precision"] == precision
     ppm = ProcessPreferenceModel.load(tmp_path / "ppm")
     assert ppm.tokenizer.convert_tokens_to_ids(TAGS[0]) in ppm.tokenizer.all_special_ids
     assert len(ppm.raw_scores(["What is 1 + 1?"], ["x = 2"])) == 1
