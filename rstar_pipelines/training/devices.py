@@ -25,7 +25,12 @@ def _nvidia_smi(*args: str) -> list[str]:
         return []
     lines = [line.strip() for line in out.splitlines() if line.strip()]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return lines[: len(visible.split(","))] if visible else lines
+    if not visible:
+        return lines
+    chosen = visible.split(",")
+    if all(index.strip().isdigit() for index in chosen):
+        return [lines[int(index)] for index in chosen if int(index) < len(lines)]
+    return lines[: len(chosen)]  # UUIDs: as many GPUs as are named
 
 
 def cuda_devices() -> int:

@@ -67,8 +67,10 @@ def test_compute_capabilities_are_read_from_nvidia_smi_for_the_visible_gpus(tmp_
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert devices.cuda_devices() == 2
     assert devices.cuda_compute_capabilities() == [(8, 0), (7, 5)]
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     assert devices.cuda_devices() == 1
+    assert devices.cuda_compute_capabilities() == [(7, 5)]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-5f2c")
     assert devices.cuda_compute_capabilities() == [(8, 0)]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     assert devices.cuda_compute_capabilities() == []
