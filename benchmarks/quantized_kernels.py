@@ -1,8 +1,8 @@
 """The kernels of the quantized layers on the embedded model's layer shapes: `Int8Linear`'s
 row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`, each
 against its matmul (what a layer runs from its `gemm_rows` on: bfloat16 where the CPU multiplies it
-natively, else float32), and where the CPU has AMX, `Int4Linear`'s AMX kernel
-(`rstar_kernels.int4_cpu`, what it runs from 4 rows on).
+natively, else float32), and where one of `rstar_kernels.int4_cpu`'s kernels runs (AMX; AVX-512 or
+AVX2 where the matmul is float32), `Int4Linear`'s, pinned at the rows it takes over from.
 
     python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20]
 
@@ -26,7 +26,6 @@ import time
 import torch
 
 from rstar_pipelines.llm.quantized_linear import (
-    INT4_AMX_ROWS,
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
@@ -81,7 +80,7 @@ def main() -> None:
     linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
     int8 = [Int8Linear(linear) for linear in linears]
     int4 = [Int4Linear(linear) for linear in linears]
-    amx = int4[0].amx
+    ours = int4[0].kernel  # a kernel of rstar_kernels.int4_cpu, where one runs here
     print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(
         f"- load average: {load_average()}; median of {args.repeats}; matmul from "
@@ -92,9 +91,9 @@ def main() -> None:
     print(
         f"| rows | LM head, int8pack | LM head, {matmul} | 30 layers, int8pack "
         f"| 30 layers, int8 {matmul} | 30 layers, int4pack | 30 layers, int4 {matmul} |"
-        + (" 30 layers, int4 AMX |" if amx else "")
+        + (f" 30 layers, int4 {ours.name} |" if ours else "")
     )
-    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if amx else ""))
+    print("| --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if ours else ""))
     for rows in ROWS:
         cells = [step_ms(head, rows, kernel, args.repeats) for kernel in (1, head[0].gemm_rows)]
         for layers in (int8, int4):
@@ -102,8 +101,8 @@ def main() -> None:
                 LAYERS * step_ms(layers, rows, kernel, args.repeats)
                 for kernel in (1, layers[0].gemm_rows)
             ]
-        if amx:
-            cells.append(LAYERS * step_ms(int4, rows, INT4_AMX_ROWS, args.repeats))
+        if ours:
+            cells.append(LAYERS * step_ms(int4, rows, int4[0].kernel_rows, args.repeats))
         print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
     print()
     print(

@@ -1,19 +1,21 @@
-"""A weight-only int4 matmul for decode steps of several rows on CPUs with Intel AMX
-(`int4_cpu.c`), built with the machine's C compiler on first use.
+"""Weight-only int4 matmuls for decode steps of several rows on the CPU, built with the machine's C
+compiler on first use: on Intel AMX (`int4_cpu.c`), and with AVX-512 or AVX2 FMAs on CPUs without
+native bfloat16 (`int4_avx.c`).
 
-Why a kernel of our own: torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for
+Why kernels of our own: torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for
 every few rows, so its cost grows with the rows (30 decoder layers of the embedded model, one
-thread: 8 ms at 1 row, 45 at 16), and no library on PyPI has a faster one for this CPU (torchao's
-DA8W4 kernel is not in its wheel and quantizes activations; docs/benchmarks.md). This one unpacks
-each group of 32 weights once per call into a tile of small integers, multiplies up to 16 rows
-with it in one AMX instruction and scales the float32 sums afterwards, so its cost barely grows
-with the rows. Its results are float32 throughout and do not depend on the other rows.
+thread: 8 ms at 1 row, 45 at 16), and no library on PyPI has a faster one for these CPUs
+(torchao's DA8W4 kernel is not in its wheel and quantizes activations; docs/benchmarks.md). These
+unpack each group of 32 weights once per call into small integers, multiply every row with them
+(up to 16 rows in one AMX instruction, or one FMA a row and input over 16 or 8 outputs) and scale
+the float32 sums afterwards, so their cost grows slowly with the rows. Their results are float32
+sums of the exact weights and do not depend on the other rows of the batch.
 
-The shared library is compiled from `int4_cpu.c` with gcc (or `$CC`) into the cache
+A kernel's shared library is compiled with gcc (or `$CC`) into the cache
 (`$XDG_CACHE_HOME/rstar-pipelines/kernels`, named by a hash of the source and the flags) and
 loaded with ctypes; OpenMP comes from the libgomp torch has loaded, so the kernel's threads are
-torch's. `available()` is False, and callers keep torch's kernel, where the CPU lacks AMX, the
-kernel cannot be granted its tile state, or there is no compiler.
+torch's. A kernel's `available()` is False, and callers keep torch's kernel, where the CPU lacks
+its instructions, Linux does not grant AMX's tile state, or there is no compiler.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -35,20 +38,9 @@ from rstar_kernels.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("int4_cpu.c")
-FLAGS = (
-    "-O3",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mamx-tile",
-    "-mamx-bf16",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-)
-CPU_FLAGS = {"amx_tile", "amx_bf16", "avx512f", "avx512bw"}
 GROUP = 32  # inputs per scale and zero
-BLOCK = 16  # outputs per tile
+BLOCK = 16  # outputs a group's unpacked weights cover (an AMX tile's columns)
+BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
 
 
 def _cache_dir() -> Path:
@@ -56,68 +48,9 @@ def _cache_dir() -> Path:
     return base / "rstar-pipelines" / "kernels"
 
 
-def _build(compiler: str) -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS)).encode())
-    target = _cache_dir() / f"int4_cpu-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Compiled beside the target and renamed onto it: processes building at once each
-        # write their own file and the rename is atomic.
-        with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-            built = Path(scratch) / target.name
-            subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", str(built)],
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            built.replace(target)
-    return target
-
-
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if platform.system() != "Linux" or platform.machine() != "x86_64":
-        return None
-    missing = CPU_FLAGS - cpu_flags()
-    if missing:
-        log.info("int4 AMX kernel off: the CPU lacks %s", ", ".join(sorted(missing)))
-        return None
-    compiler = shutil.which(os.environ.get("CC", "gcc"))
-    if compiler is None:
-        log.warning("int4 AMX kernel off: no C compiler (gcc or $CC) to build it")
-        return None
-    try:
-        path = _build(compiler)
-    except subprocess.CalledProcessError as error:
-        log.warning("int4 AMX kernel off: %s failed to build it:\n%s", compiler, error.stderr)
-        return None
-    library = ctypes.CDLL(str(path))
-    if library.int4_cpu_init() != 0:
-        log.warning("int4 AMX kernel off: Linux did not grant the process AMX's tile state")
-        return None
-    library.int4_cpu_mm.restype = ctypes.c_int
-    library.int4_cpu_mm.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-    ]
-    return library
-
-
-def available() -> bool:
-    """Whether `mm` runs here (built and loaded on the first call)."""
-    return _library() is not None
-
-
-def pack(q: torch.Tensor) -> torch.Tensor:
-    """The kernel's layout of `q` ([out, in] integers in 0..15; out a multiple of 16, in of 32):
-    uint8 [out / 16, in / 32, 8, 32], two B-tile rows of a group in each byte's nibbles."""
+def pack_amx(q: torch.Tensor) -> torch.Tensor:
+    """The AMX kernel's layout of `q` ([out, in] integers in 0..15; out a multiple of 16, in of
+    32): uint8 [out / 16, in / 32, 8, 32], two B-tile rows of a group in each byte's nibbles."""
     out_features, in_features = q.shape
     # Lane i of tile row j of (block, group): q[16 block + i // 2, 32 group + 2 j + i % 2].
     rows = (
@@ -129,39 +62,161 @@ def pack(q: torch.Tensor) -> torch.Tensor:
     return (rows[:, :, 0::2] | (rows[:, :, 1::2] << 4)).contiguous()
 
 
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """The AVX kernel's layout of `q` (as `pack_amx` takes it): uint8 [out / 16, in / 32, 16, 16],
+    byte o of input pair t of (block, group) holding q[16 block + o, 32 group + 2 t] in its low
+    nibble and q[16 block + o, 32 group + 2 t + 1] in its high one."""
+    out_features, in_features = q.shape
+    pairs = (
+        q.to(torch.uint8)
+        .view(out_features // BLOCK, BLOCK, in_features // GROUP, GROUP // 2, 2)
+        .permute(0, 2, 3, 1, 4)
+    )
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
 def pack_groups(values: torch.Tensor) -> torch.Tensor:
-    """A per-group quantity ([out, in / 32]) in the kernel's layout: float32
+    """A per-group quantity ([out, in / 32]) in both kernels' layout: float32
     [out / 16, in / 32, 16]."""
     out_features, groups = values.shape
     return values.float().view(out_features // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()
 
 
-def mm(
-    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
-) -> torch.Tensor:
-    """float32 [rows, out] = `x` (bfloat16 [rows, in], contiguous) times the weights
-    `(q - 8) * scale + zero` of `pack(q)`, `pack_groups(scale)`, `pack_groups(zero)`."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("the int4 AMX kernel is not available on this machine")
-    rows, in_features = x.shape
-    blocks, groups = packed.shape[:2]
-    if x.dtype != torch.bfloat16 or not x.is_contiguous() or in_features != groups * GROUP:
-        raise ValueError(
-            f"int4 AMX kernel: x must be contiguous bfloat16 [rows, {groups * GROUP}], "
-            f"not {x.dtype} {tuple(x.shape)}"
+class Int4Kernel:
+    """One compiled kernel: `mm(x, pack(q), pack_groups(scale), pack_groups(zero))`, float32
+    [rows, out] = `x` ([rows, in], contiguous, of dtype `activations`) times the weights
+    `(q - 8) * scale + zero`."""
+
+    def __init__(
+        self,
+        name: str,
+        source: str,
+        flags: tuple[str, ...],
+        needs: frozenset[str],
+        activations: torch.dtype,
+        pack: Callable[[torch.Tensor], torch.Tensor],
+        init: str | None = None,
+    ):
+        self.name, self.flags, self.needs = name, flags, needs
+        self.source = Path(__file__).with_name(source)
+        self.activations, self.pack, self.init = activations, pack, init
+        self.entry = f"{self.source.stem}_mm"
+
+    def __repr__(self) -> str:
+        return f"Int4Kernel({self.name})"
+
+    def _build(self, compiler: str) -> Path:
+        command = (compiler, *self.flags, *BUILD_FLAGS)
+        digest = hashlib.sha256(self.source.read_bytes() + " ".join(command).encode())
+        target = _cache_dir() / f"{self.source.stem}-{digest.hexdigest()[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Compiled beside the target and renamed onto it: processes building at once each
+            # write their own file and the rename is atomic.
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                built = Path(scratch) / target.name
+                subprocess.run(
+                    [*command, str(self.source), "-o", str(built)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                built.replace(target)
+        return target
+
+    @functools.cache  # noqa: B019 - one per kernel, module-level objects that live as long
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library, built on the first call; None where it cannot run (logged)."""
+        if platform.system() != "Linux" or platform.machine() != "x86_64":
+            return None
+        missing = self.needs - cpu_flags()
+        if missing:
+            log.info("int4 %s kernel off: the CPU lacks %s", self.name, ", ".join(sorted(missing)))
+            return None
+        compiler = shutil.which(os.environ.get("CC", "gcc"))
+        if compiler is None:
+            log.warning("int4 %s kernel off: no C compiler (gcc or $CC) to build it", self.name)
+            return None
+        try:
+            path = self._build(compiler)
+        except subprocess.CalledProcessError as error:
+            log.warning(
+                "int4 %s kernel off: %s failed to build it:\n%s", self.name, compiler, error.stderr
+            )
+            return None
+        library = ctypes.CDLL(str(path))
+        if self.init is not None and getattr(library, self.init)() != 0:
+            log.warning(
+                "int4 %s kernel off: Linux did not grant the process AMX's tile state", self.name
+            )
+            return None
+        function = getattr(library, self.entry)
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
+        return library
+
+    def available(self) -> bool:
+        """Whether `mm` runs here (built and loaded on the first call)."""
+        return self.library() is not None
+
+    def mm(
+        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    ) -> torch.Tensor:
+        library = self.library()
+        if library is None:
+            raise RuntimeError(f"the int4 {self.name} kernel is not available on this machine")
+        rows, in_features = x.shape
+        blocks, groups = packed.shape[:2]
+        if x.dtype != self.activations or not x.is_contiguous() or in_features != groups * GROUP:
+            raise ValueError(
+                f"int4 {self.name} kernel: x must be contiguous {self.activations} "
+                f"[rows, {groups * GROUP}], not {x.dtype} {tuple(x.shape)}"
+            )
+        out = torch.empty(rows, blocks * BLOCK)
+        status = getattr(library, self.entry)(
+            x.data_ptr(),
+            rows,
+            in_features,
+            blocks * BLOCK,
+            packed.data_ptr(),
+            scale.data_ptr(),
+            zero.data_ptr(),
+            out.data_ptr(),
         )
-    out = torch.empty(rows, blocks * BLOCK)
-    status = library.int4_cpu_mm(
-        x.data_ptr(),
-        rows,
-        in_features,
-        blocks * BLOCK,
-        packed.data_ptr(),
-        scale.data_ptr(),
-        zero.data_ptr(),
-        out.data_ptr(),
-    )
-    if status != 0:
-        raise MemoryError(f"int4 AMX kernel: no memory for the scratch of {rows} rows")
-    return out
+        if status != 0:
+            raise MemoryError(f"int4 {self.name} kernel: no memory for the scratch of {rows} rows")
+        return out
+
+
+AMX = Int4Kernel(
+    "AMX",
+    "int4_cpu.c",
+    ("-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"),
+    frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw"}),
+    torch.bfloat16,
+    pack_amx,
+    init="int4_cpu_init",
+)
+# The same source in 16 float32 lanes or in 8; its activations are bfloat16 values in float32
+# (exact), which the FMAs read without converting.
+AVX512 = Int4Kernel(
+    "AVX-512",
+    "int4_avx.c",
+    ("-mavx512f", "-mfma"),
+    frozenset({"avx512f", "fma"}),
+    torch.float32,
+    pack_pairs,
+)
+AVX2 = Int4Kernel(
+    "AVX2",
+    "int4_avx.c",
+    ("-mavx2", "-mfma"),
+    frozenset({"avx2", "fma"}),
+    torch.float32,
+    pack_pairs,
+)
+
+
+def avx_kernel() -> Int4Kernel | None:
+    """The widest AVX kernel that runs here, if any."""
+    return next((kernel for kernel in (AVX512, AVX2) if kernel.available()), None)

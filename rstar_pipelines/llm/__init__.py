@@ -41,12 +41,14 @@ __all__ = [
 # the quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits).
 # 3: int4 decode steps of 4 to 47 rows through the AMX kernel (`rstar_kernels.int4_cpu`); on a
 # CPU without native bfloat16, the quantized layers' matmul in float32.
-TRANSFORMERS_REVISION = 3
+# 4: on a CPU without native bfloat16, int4 decode steps of 4-5 to 63-79 rows through the AVX-512
+# or AVX2 kernel (`rstar_kernels.int4_cpu`).
+TRANSFORMERS_REVISION = 4
 
 
 def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
     """The transformers backend's id for `model` under `quantization` and SeerAttention-R
-    settings `seer`, which keys its cached completions: "transformers@3:embedded+int4"."""
+    settings `seer`, which keys its cached completions: "transformers@4:embedded+int4"."""
     name = f"transformers@{TRANSFORMERS_REVISION}:{model}{quantization_tag(quantization)}"
     return name + (seer.tag if seer else "")
 

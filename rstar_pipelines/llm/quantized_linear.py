@@ -27,12 +27,14 @@ the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` fo
   layers ship in: fitted to each group's minimum and maximum, the groups land on the file's own
   grid, up to the bfloat16 rounding of the scale and zero the kernel reads. Torch's
   `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again
-  for every few rows; on a CPU with AMX the kernel of `rstar_kernels.int4_cpu` unpacks them once
-  a call and takes over from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one
-  thread), and the matmul from 48 (from 32 where only torch's kernel runs, 12 where the matmul
-  is float32). Torch's kernel and the bfloat16 matmul differ from the exact weights' float32
-  sums by bfloat16 roundings (of the sums, of the weights); the AMX kernel and the float32
-  matmul compute those sums.
+  for every few rows. The kernels of `rstar_kernels.int4_cpu` unpack them once a call: on a CPU
+  with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to
+  the matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
+  kernel, from 4-5 rows up to 64-80 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
+  over to the float32 matmul at 12. Elsewhere (AVX512-BF16 without AMX) torch's kernel runs up
+  to the bfloat16 matmul's 32. Torch's kernel and the bfloat16 matmul differ from the exact
+  weights' float32 sums by bfloat16 roundings (of the sums, of the weights); our kernels and the
+  float32 matmul compute those sums.
 """
 
 from __future__ import annotations
@@ -55,12 +57,17 @@ FLOAT32_GEMM_ROWS = 12
 # other splits among two threads for 5-7 or 9-11) whose sums differ in the last bits from those
 # of 12 rows and more; padded to this many, a row's result does not depend on its batch.
 FLOAT32_MATMUL_ROWS = 12
-# Where the AMX kernel (`rstar_kernels.int4_cpu`) runs, it takes over from torch's int4 kernel
-# from 4 rows (a 576 x 1536 layer, one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against
-# 87 / 158 / 560) and keeps ahead of the matmul up to about 48 (with the weights in the cache,
-# 24 / 32 rows: 222 / 282 us against 388 / 414; 48: 514 against 473).
-INT4_AMX_ROWS = 4
-INT4_AMX_GEMM_ROWS = 48
+# The kernels of `rstar_kernels.int4_cpu`, where one runs, take over from torch's int4 kernel from
+# the first of these rows and keep ahead of the matmul up to the second. AMX (a 576 x 1536 layer,
+# one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights
+# in the cache, 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514
+# against 473). AVX-512 and AVX2, which run where the matmul is float32, measured on the 30
+# decoder layers with their weights streaming from memory as in the model (one thread, ms):
+# AVX-512 at 4 / 5 / 16 / 48 / 80 rows 20 / 21 / 38 / 94 / 144 against torch's 18 / 25 / 62 /
+# 161 / 261 and the matmul's 91 / 114 / 80 / 125 / 166 (96 rows: 297 against 198); AVX2 (the same
+# Xeon, MKL and torch held to AVX2) at 4 / 16 / 48 / 64: 25 / 61 / 158 / 213 against torch's 28 /
+# 95 / 284 / 399 and the matmul's 92 / 117 / 186 / 208 (docs/benchmarks.md).
+INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX-512": (5, 80), "AVX2": (4, 64)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
 
@@ -204,16 +211,19 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer(
             "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         )
-        # The AMX kernel's copy of the same integers, scales and zeros (float32 from bfloat16:
-        # the same grid), where it runs.
-        self.amx = int4_cpu.available()
-        if self.amx:
-            self.gemm_rows = INT4_AMX_GEMM_ROWS
+        # A kernel of our own, where one runs (AMX; else, where the matmul is float32 because
+        # the CPU has no native bfloat16, AVX-512 or AVX2), and its copy of the same integers,
+        # scales and zeros (float32 from bfloat16: the same grid).
+        self.kernel = int4_cpu.AMX if int4_cpu.AMX.available() else None
+        if self.kernel is None and self.matmul_dtype == torch.float32:
+            self.kernel = int4_cpu.avx_kernel()
+        if self.kernel is not None:
+            self.kernel_rows, self.gemm_rows = INT4_KERNEL_ROWS[self.kernel.name]
             self.register_buffer(
-                "weight_amx", int4_cpu.pack(q.view(self.out_features, -1)), persistent=False
+                "weight_packed", self.kernel.pack(q.view(self.out_features, -1)), persistent=False
             )
-            self.register_buffer("scale_amx", int4_cpu.pack_groups(scale), persistent=False)
-            self.register_buffer("zero_amx", int4_cpu.pack_groups(zero), persistent=False)
+            self.register_buffer("scale_packed", int4_cpu.pack_groups(scale), persistent=False)
+            self.register_buffer("zero_packed", int4_cpu.pack_groups(zero), persistent=False)
         dequantized = (q - 8) * scale.float()[..., None] + zero.float()[..., None]
         self.register_buffer(
             "weight_matmul",
@@ -225,8 +235,9 @@ class Int4Linear(QuantizedLinear):
         return self._linear(rows)
 
     def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
-        if self.amx and batch_rows >= INT4_AMX_ROWS:
-            return int4_cpu.mm(rows, self.weight_amx, self.scale_amx, self.zero_amx)
+        if self.kernel is not None and batch_rows >= self.kernel_rows:
+            x = rows.to(self.kernel.activations)
+            return self.kernel.mm(x, self.weight_packed, self.scale_packed, self.zero_packed)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros
         )

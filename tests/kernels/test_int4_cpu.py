@@ -1,5 +1,5 @@
-"""The int4 AMX kernel (`rstar_kernels.int4_cpu`): its layout, its sums, its rows' independence,
-and how it stays off where it cannot run."""
+"""The int4 kernels of `rstar_kernels.int4_cpu` (AMX; AVX-512 and AVX2 FMAs): their layouts, their
+sums, their rows' independence, and how they stay off where they cannot run."""
 
 from __future__ import annotations
 
@@ -10,11 +10,21 @@ import torch
 
 from rstar_kernels import int4_cpu
 
-needs_amx = pytest.mark.skipif(not int4_cpu.available(), reason="the CPU has no AMX")
+KERNELS = [
+    pytest.param(
+        kernel,
+        id=kernel.name,
+        marks=pytest.mark.skipif(
+            not kernel.available(), reason=f"the CPU cannot run the {kernel.name} kernel"
+        ),
+    )
+    for kernel in (int4_cpu.AMX, int4_cpu.AVX512, int4_cpu.AVX2)
+]
 
 
-def random_layer(out_features: int, in_features: int, seed: int = 0):
-    """Integers, scales and zeros of a random int4 layer, and its float64 weights."""
+def random_layer(kernel: int4_cpu.Int4Kernel, out_features: int, in_features: int, seed: int = 0):
+    """Integers, scales and zeros of a random int4 layer in `kernel`'s layout, and its float64
+    weights."""
     generator = torch.Generator().manual_seed(seed)
     groups = in_features // int4_cpu.GROUP
     q = torch.randint(0, 16, (out_features, in_features), generator=generator)
@@ -22,13 +32,13 @@ def random_layer(out_features: int, in_features: int, seed: int = 0):
     zero = (torch.randn(out_features, groups, generator=generator) * 0.01).bfloat16()
     weight = (q.view(out_features, groups, -1) - 8) * scale.double()[..., None]
     weight = (weight + zero.double()[..., None]).view(out_features, in_features)
-    packed = int4_cpu.pack(q), int4_cpu.pack_groups(scale), int4_cpu.pack_groups(zero)
+    packed = kernel.pack(q), int4_cpu.pack_groups(scale), int4_cpu.pack_groups(zero)
     return packed, weight
 
 
-def test_the_layout_puts_each_weight_in_its_tile_lane():
+def test_the_amx_layout_puts_each_weight_in_its_tile_lane():
     q = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(1))
-    packed = int4_cpu.pack(q)
+    packed = int4_cpu.pack_amx(q)
     assert packed.shape == (2, 2, 8, 32) and packed.dtype == torch.uint8
     # Lane i of tile row j of (block, group) is q[16 block + i // 2, 32 group + 2 j + i % 2];
     # rows 2p and 2p + 1 share byte i of pair p, low and high nibble.
@@ -40,65 +50,86 @@ def test_the_layout_puts_each_weight_in_its_tile_lane():
     assert torch.equal(int4_cpu.pack_groups(scale)[1, 0], scale[16:, 0])
 
 
-@needs_amx
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 31, 40])
+def test_the_pair_layout_puts_each_input_pair_of_an_output_in_one_byte():
+    q = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(1))
+    packed = int4_cpu.pack_pairs(q)
+    assert packed.shape == (2, 2, 16, 16) and packed.dtype == torch.uint8
+    for block, group, pair, output in ((0, 0, 0, 0), (1, 1, 15, 15), (0, 1, 6, 5), (1, 0, 9, 12)):
+        byte = int(packed[block, group, pair, output])
+        assert byte & 0xF == q[16 * block + output, 32 * group + 2 * pair]
+        assert byte >> 4 == q[16 * block + output, 32 * group + 2 * pair + 1]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 16, 17, 31, 40])
 @pytest.mark.parametrize("shape", [(576, 1536), (192, 576), (48, 96)])
-def test_the_kernel_sums_the_exact_weights_in_float32(rows, shape):
-    packed, weight = random_layer(*shape, seed=rows)
+def test_the_kernel_sums_the_exact_weights_in_float32(kernel, rows, shape):
+    packed, weight = random_layer(kernel, *shape, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(2)).bfloat16()
-    got = int4_cpu.mm(x, *packed)
+    got = kernel.mm(x.to(kernel.activations), *packed)
     want = x.double() @ weight.T
     assert got.shape == (rows, shape[0]) and got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6 * want.abs().max().item())
     # A row's result is the same bits alone, whatever the rows beside it or its tile.
     for row in {0, rows // 2, rows - 1}:
-        assert torch.equal(int4_cpu.mm(x[row : row + 1].contiguous(), *packed)[0], got[row])
+        alone = x[row : row + 1].to(kernel.activations)
+        assert torch.equal(kernel.mm(alone, *packed)[0], got[row])
 
 
-@needs_amx
-def test_the_kernel_names_what_it_takes():
-    packed, _ = random_layer(48, 96)
-    with pytest.raises(ValueError, match=r"contiguous bfloat16 \[rows, 96\], not torch.float32"):
-        int4_cpu.mm(torch.randn(2, 96), *packed)
-    with pytest.raises(ValueError, match=r"not torch.bfloat16 \(2, 64\)"):
-        int4_cpu.mm(torch.randn(2, 64).bfloat16(), *packed)
-    with pytest.raises(ValueError, match="not torch.bfloat16"):
-        int4_cpu.mm(torch.randn(96, 2).bfloat16().T, *packed)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_kernel_names_what_it_takes(kernel):
+    packed, _ = random_layer(kernel, 48, 96)
+    other = torch.float32 if kernel.activations == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(
+        ValueError, match=rf"contiguous {kernel.activations} \[rows, 96\], not {other}"
+    ):
+        kernel.mm(torch.randn(2, 96, dtype=other), *packed)
+    with pytest.raises(ValueError, match=rf"not {kernel.activations} \(2, 64\)"):
+        kernel.mm(torch.randn(2, 64, dtype=kernel.activations), *packed)
+    with pytest.raises(ValueError, match=f"not {kernel.activations}"):
+        kernel.mm(torch.randn(96, 2, dtype=kernel.activations).T, *packed)
 
 
-def test_without_a_compiler_the_kernel_stays_off_and_says_why(monkeypatch, tmp_path, caplog):
+@pytest.mark.parametrize("kernel", [int4_cpu.AMX, int4_cpu.AVX512, int4_cpu.AVX2], ids=repr)
+def test_without_a_compiler_the_kernel_stays_off_and_says_why(
+    kernel, monkeypatch, tmp_path, caplog
+):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: set(int4_cpu.CPU_FLAGS))
-    int4_cpu._library.cache_clear()
+    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: set(kernel.needs))
+    kernel.library.cache_clear()
     try:
         with caplog.at_level(logging.INFO, logger=int4_cpu.__name__):
             monkeypatch.setenv("CC", "false")  # a compiler that always fails
-            assert not int4_cpu.available()
+            assert not kernel.available()
+            assert f"int4 {kernel.name} kernel off: " in caplog.text
             assert "false failed to build it" in caplog.text
-            int4_cpu._library.cache_clear()
+            kernel.library.cache_clear()
             monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-            assert not int4_cpu.available()
+            assert not kernel.available()
             assert "no C compiler" in caplog.text
-            int4_cpu._library.cache_clear()
-            monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: {"avx512f"})
-            assert not int4_cpu.available()
-            assert "the CPU lacks amx_bf16, amx_tile, avx512bw" in caplog.text
-        with pytest.raises(RuntimeError, match="not available on this machine"):
-            int4_cpu.mm(torch.zeros(1, 32, dtype=torch.bfloat16), *random_layer(16, 32)[0])
+            kernel.library.cache_clear()
+            monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: {"sse2"})
+            assert not kernel.available()
+            lacks = ", ".join(sorted(kernel.needs))
+            assert f"int4 {kernel.name} kernel off: the CPU lacks {lacks}" in caplog.text
+        with pytest.raises(RuntimeError, match=f"int4 {kernel.name} kernel is not available"):
+            kernel.mm(
+                torch.zeros(1, 32, dtype=kernel.activations), *random_layer(kernel, 16, 32)[0]
+            )
         assert not list(tmp_path.rglob("*.so"))  # no half-built library left behind
     finally:
-        int4_cpu._library.cache_clear()
+        kernel.library.cache_clear()
 
 
-@needs_amx
-def test_the_library_is_built_once_into_the_cache(monkeypatch, tmp_path):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_library_is_built_once_into_the_cache(kernel, monkeypatch, tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    int4_cpu._library.cache_clear()
+    kernel.library.cache_clear()
     try:
-        assert int4_cpu.available()
-        (built,) = tmp_path.rglob("int4_cpu-*.so")
+        assert kernel.available()
+        (built,) = tmp_path.rglob(f"{kernel.source.stem}-*.so")
         stamp = built.stat().st_mtime_ns
-        int4_cpu._library.cache_clear()
-        assert int4_cpu.available() and built.stat().st_mtime_ns == stamp
+        kernel.library.cache_clear()
+        assert kernel.available() and built.stat().st_mtime_ns == stamp
     finally:
-        int4_cpu._library.cache_clear()
+        kernel.library.cache_clear()

@@ -21,10 +21,9 @@ from rstar_pipelines.llm.quantization import quantize, resolve_quantization
 from rstar_pipelines.llm.quantized_linear import (
     FLOAT32_GEMM_ROWS,
     GEMM_ROWS,
-    INT4_AMX_GEMM_ROWS,
-    INT4_AMX_ROWS,
     INT4_GEMM_ROWS,
     INT4_GROUP,
+    INT4_KERNEL_ROWS,
     Int4Linear,
     Int8Linear,
     kernel_for_batch,
@@ -139,11 +138,18 @@ def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
     return linear
 
 
+def expected_int4_kernel() -> int4_cpu.Int4Kernel | None:
+    """The kernel of our own an int4 layer runs here: AMX, else AVX where the matmul is float32."""
+    if int4_cpu.AMX.available():
+        return int4_cpu.AMX
+    return int4_cpu.avx_kernel() if float32_matmul() else None
+
+
 def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     linear = q4_1_layer(48, 3 * INT4_GROUP)
     layer = Int4Linear(linear)
-    assert layer.amx == int4_cpu.available()
-    packed_pins = (1, INT4_AMX_ROWS) if layer.amx else (1,)
+    assert layer.kernel == expected_int4_kernel()
+    packed_pins = (1, layer.kernel_rows) if layer.kernel else (1,)
     # Every kernel holds the layer's weights exactly: the matmul's as the dequantized grid, the
     # int4 kernels' as their packed integers (read back through unit inputs, with the bias).
     assert torch.equal(layer.weight_matmul.float(), linear.weight)
@@ -154,36 +160,67 @@ def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     x = torch.randn(15, 1, 3 * INT4_GROUP)  # a decode step of 15 rows
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
     assert want.shape == (15, 1, 48)
-    if layer.amx:
-        assert layer.gemm_rows == INT4_AMX_GEMM_ROWS
+    if layer.kernel:
+        assert (layer.kernel_rows, layer.gemm_rows) == INT4_KERNEL_ROWS[layer.kernel.name]
     else:
         assert layer.gemm_rows == (FLOAT32_GEMM_ROWS if float32_matmul() else INT4_GEMM_ROWS)
-    with mock.patch.object(int4_cpu, "mm", wraps=int4_cpu.mm) as amx:
+    counting = (
+        mock.patch.object(layer.kernel, "mm", wraps=layer.kernel.mm)
+        if layer.kernel
+        else contextlib.nullcontext(mock.Mock(call_count=0))
+    )
+    with counting as ours:
         by_kernel = outputs_by_kernel(layer, x, want, (*packed_pins, layer.gemm_rows))
-        # Unpinned, each call's rows choose: 15 rows the AMX kernel where it runs, else the
-        # kernel 15 rows choose (torch's int4 kernel, or the matmul from its gemm_rows).
+        # Unpinned, each call's rows choose: 15 rows our kernel where one runs (below its
+        # gemm_rows), else the kernel 15 rows choose (torch's int4 kernel, or the matmul).
         fifteen = layer.gemm_rows if layer.gemm_rows <= 15 else packed_pins[-1]
         assert torch.equal(layer(x), by_kernel[fifteen])
     torch.testing.assert_close(by_kernel[1], by_kernel[layer.gemm_rows], rtol=8e-3, atol=1e-2)
-    if layer.amx:
+    if layer.kernel:
         # Float32 sums of the exact weights: the bfloat16 rounding of torch's kernel's sums and
         # the matmul's are not in it.
-        torch.testing.assert_close(by_kernel[INT4_AMX_ROWS], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(by_kernel[layer.kernel_rows], want, rtol=1e-5, atol=1e-5)
     # Pinned: 15 rows and one of them; unpinned: 15 rows.
-    assert amx.call_count == (3 if layer.amx else 0)
+    assert ours.call_count == (3 if layer.kernel else 0)
 
 
-def test_int4_linear_keeps_torchs_kernel_where_the_amx_kernel_cannot_run():
+def no_kernel_of_ours():
+    """A machine where neither the AMX nor an AVX kernel runs."""
+    return mock.patch.multiple(
+        int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: None
+    )
+
+
+def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
     linear = q4_1_layer(48, 3 * INT4_GROUP)
-    with mock.patch.object(int4_cpu, "available", return_value=False):
+    with no_kernel_of_ours():
         layer = Int4Linear(linear)
-    assert not layer.amx and not hasattr(layer, "weight_amx")
-    x = torch.randn(15, 1, 3 * INT4_GROUP)
-    with mock.patch.object(int4_cpu, "mm") as amx:
+    assert layer.kernel is None and not hasattr(layer, "weight_packed")
+    x = torch.randn(4, 1, 3 * INT4_GROUP)
+    with kernel_for_batch(layer, 4), mock.patch.object(int4_cpu.Int4Kernel, "mm") as ours:
         got = layer(x)
-    assert amx.call_count == 0
+    assert ours.call_count == 0
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+
+
+def test_the_avx_kernel_runs_only_where_the_matmul_is_float32():
+    """Where the CPU multiplies bfloat16 natively (but has no AMX) the bfloat16 matmul and torch's
+    kernel stay: the AVX kernel's crossovers were measured against a float32 matmul."""
+    linear = q4_1_layer(48, 3 * INT4_GROUP)
+    avx = mock.Mock(spec=int4_cpu.Int4Kernel, pack=int4_cpu.pack_pairs)
+    avx.name = "AVX-512"
+    for dtype, kernel in ((torch.bfloat16, None), (torch.float32, avx)):
+        with (
+            mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
+            mock.patch.multiple(
+                int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: avx
+            ),
+        ):
+            layer = Int4Linear(linear)
+        assert layer.kernel is kernel
+        rows = INT4_KERNEL_ROWS["AVX-512"] if kernel else (None, INT4_GEMM_ROWS)
+        assert (getattr(layer, "kernel_rows", None), layer.gemm_rows) == rows
 
 
 def test_the_matmul_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch):
@@ -206,7 +243,7 @@ def test_both_matmuls_hold_the_same_weights(dtype):
     linear = q4_1_layer(48, 3 * INT4_GROUP)
     with (
         mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
-        mock.patch.object(int4_cpu, "available", return_value=False),
+        no_kernel_of_ours(),
     ):
         int4, int8 = Int4Linear(linear), Int8Linear(linear)
     assert int4.gemm_rows == (FLOAT32_GEMM_ROWS if dtype == torch.float32 else INT4_GEMM_ROWS)

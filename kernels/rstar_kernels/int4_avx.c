@@ -1,0 +1,150 @@
+/* A weight-only int4 linear layer on AVX-512 or AVX2 with FMA, for CPUs without native bfloat16:
+ * out[M, N] = x[M, K] . w[N, K]^T in float32, where w, in groups of 32 inputs, is
+ * (q - 8) * scale + zero with q in 0..15 and one float32 scale and zero per output and group (the
+ * weights of int4_cpu.c; int4_cpu.py says why this kernel).
+ *
+ * Each group's 4-bit values for 16 outputs are unpacked once per call into float32 integers
+ * -8..7 (exact), which multiply every row of x with FMAs; the group's scale and zero are applied
+ * to those float32 sums afterwards, as in the AMX kernel:
+ *   out[r, n] = sum_g scale[n, g] * sum_{k in g} x[r, k] (q[n, k] - 8) + zero[n, g] * sum_{k in g} x[r, k].
+ * Each row's sums are taken in the same order (inputs 0..31 of a group, then the groups in order)
+ * whatever the other rows of its batch; x's values are bfloat16's, so each product is exact.
+ *
+ * Layouts: x [M, K] float32 row-major; q [N/16][K/32][16][16] bytes, byte o of input pair t
+ * holding q[16 block + o, 32 g + 2 t] in its low nibble and q[16 block + o, 32 g + 2 t + 1] in its
+ * high one; scale and zero [N/16][K/32][16] (int4_cpu.c's); out [M, N]. */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <omp.h>
+
+#define BLOCK 16 /* outputs a group's unpacked weights cover */
+#define GROUP 32 /* inputs per scale and zero */
+
+#if defined(__AVX512F__)
+/* One vector: a block's 16 outputs. Eight rows at once: 8 sums and the weights they read in 32
+ * registers. */
+typedef __m512 vec;
+typedef __m512i ivec;
+#define LANES 16
+#define ROWS_AT_ONCE 8
+#define vzero _mm512_setzero_ps
+#define vset1 _mm512_set1_ps
+#define vload _mm512_load_ps
+#define vstore _mm512_store_ps
+#define vstoreu _mm512_storeu_ps
+#define vloadu _mm512_loadu_ps
+#define vfma _mm512_fmadd_ps
+#define vsub _mm512_sub_ps
+/* The 16 (or 8) bytes at p, each widened to a 32-bit lane. */
+#define widen(p) _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p)))
+#define low_nibble(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
+#define high_nibble(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
+#else
+/* Two vectors a block; four rows at once: 8 sums and 2 weights of 16 registers. */
+typedef __m256 vec;
+typedef __m256i ivec;
+#define LANES 8
+#define ROWS_AT_ONCE 4
+#define vzero _mm256_setzero_ps
+#define vset1 _mm256_set1_ps
+#define vload _mm256_load_ps
+#define vstore _mm256_store_ps
+#define vstoreu _mm256_storeu_ps
+#define vloadu _mm256_loadu_ps
+#define vfma _mm256_fmadd_ps
+#define vsub _mm256_sub_ps
+#define widen(p) _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p)))
+#define low_nibble(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)))
+#define high_nibble(v) _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))
+#endif
+#define VECS (BLOCK / LANES) /* vectors a block */
+
+/* One group's weights for a block as float32 integers q - 8: w[VECS * k + v] holds input k's
+ * outputs LANES v .. LANES v + LANES - 1. */
+static inline void unpack(const uint8_t *packed, vec *w) {
+  const vec eight = vset1(8.0f);
+  for (int pair = 0; pair < GROUP / 2; pair++)
+    for (int v = 0; v < VECS; v++) {
+      const ivec bytes = widen(packed + BLOCK * pair + LANES * v);
+      w[VECS * (2 * pair) + v] = vsub(low_nibble(bytes), eight);
+      w[VECS * (2 * pair + 1) + v] = vsub(high_nibble(bytes), eight);
+    }
+}
+
+/* `rows` rows' (a compile-time constant where inlined) products with one group's weights, scaled
+ * and added to their running outputs acc (BLOCK floats a row). */
+static inline __attribute__((always_inline)) void rows_times_group(
+    const float *x, int64_t k, const vec *w, const float *scale, const float *zero,
+    const float *x_sums, int64_t groups, float *acc, const int rows) {
+  vec sums[ROWS_AT_ONCE][VECS];
+  for (int r = 0; r < rows; r++)
+    for (int v = 0; v < VECS; v++) sums[r][v] = vzero();
+#pragma GCC unroll 4
+  for (int input = 0; input < GROUP; input++)
+    for (int v = 0; v < VECS; v++) {
+      const vec weight = w[VECS * input + v];
+      for (int r = 0; r < rows; r++) sums[r][v] = vfma(vset1(x[r * k + input]), weight, sums[r][v]);
+    }
+  for (int v = 0; v < VECS; v++) {
+    const vec s = vloadu(scale + LANES * v), z = vloadu(zero + LANES * v);
+    for (int r = 0; r < rows; r++) {
+      float *out = acc + BLOCK * r + LANES * v;
+      vstore(out, vfma(vset1(x_sums[r * groups]), z, vfma(sums[r][v], s, vload(out))));
+    }
+  }
+}
+
+/* Each row's sum over each group of its inputs, for the zeros, in a fixed order. */
+static float group_sum(const float *xs) {
+  float total = 0.0f;
+  for (int i = 0; i < GROUP; i++) total += xs[i];
+  return total;
+}
+
+/* 0, or -1 when there was no memory for the scratch. */
+int int4_avx_mm(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *q,
+                const float *scale, const float *zero, float *out) {
+  const int64_t groups = k / GROUP, blocks = n / BLOCK;
+  float *x_sums = malloc(sizeof(float) * m * groups);
+  float *accs = aligned_alloc(64, sizeof(float) * BLOCK * m * omp_get_max_threads());
+  if (x_sums == NULL || accs == NULL) {
+    free(x_sums), free(accs);
+    return -1;
+  }
+#pragma omp parallel
+  {
+    vec w[GROUP * VECS];
+    float *acc = accs + BLOCK * m * omp_get_thread_num();
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < m * groups; i++) x_sums[i] = group_sum(x + (i / groups) * k + (i % groups) * GROUP);
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < blocks; block++) {
+      memset(acc, 0, sizeof(float) * BLOCK * m);
+      for (int64_t g = 0; g < groups; g++) {
+        const int64_t at = block * groups + g;
+        unpack(q + at * BLOCK * GROUP / 2, w);
+        for (int64_t first = 0; first < m; first += ROWS_AT_ONCE) {
+          const float *xs = x + first * k + g * GROUP, *sums = x_sums + first * groups + g;
+          float *rows_acc = acc + BLOCK * first;
+          const float *s = scale + at * BLOCK, *z = zero + at * BLOCK;
+          switch (m - first < ROWS_AT_ONCE ? m - first : ROWS_AT_ONCE) {
+#define ROWS_CASE(r) \
+  case r: rows_times_group(xs, k, w, s, z, sums, groups, rows_acc, r); break;
+            ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
+#if ROWS_AT_ONCE > 4
+            ROWS_CASE(5) ROWS_CASE(6) ROWS_CASE(7) ROWS_CASE(8)
+#endif
+#undef ROWS_CASE
+          }
+        }
+      }
+      for (int64_t r = 0; r < m; r++)
+        for (int v = 0; v < VECS; v++) vstoreu(out + r * n + block * BLOCK + LANES * v, vload(acc + BLOCK * r + LANES * v));
+    }
+  }
+  free(x_sums), free(accs);
+  return 0;
+}
