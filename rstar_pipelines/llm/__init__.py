@@ -41,7 +41,7 @@ __all__ = [
 # the quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits).
 # 3: int4 decode steps of 4 to 47 rows through the AMX kernel (`rstar_kernels.int4_cpu`); on a
 # CPU without native bfloat16, the quantized layers' matmul in float32.
-# 4: on a CPU without native bfloat16, int4 decode steps of 4-5 to 63-79 rows through the AVX-512
+# 4: on a CPU without native bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512
 # or AVX2 kernel (`rstar_kernels.int4_cpu`).
 TRANSFORMERS_REVISION = 4
 

@@ -30,7 +30,7 @@ the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` fo
   for every few rows. The kernels of `rstar_kernels.int4_cpu` unpack them once a call: on a CPU
   with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to
   the matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
-  kernel, from 4-5 rows up to 64-80 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
+  kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
   over to the float32 matmul at 12. Elsewhere (AVX512-BF16 without AMX) torch's kernel runs up
   to the bfloat16 matmul's 32. Torch's kernel and the bfloat16 matmul differ from the exact
   weights' float32 sums by bfloat16 roundings (of the sums, of the weights); our kernels and the
@@ -62,12 +62,14 @@ FLOAT32_MATMUL_ROWS = 12
 # one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights
 # in the cache, 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514
 # against 473). AVX-512 and AVX2, which run where the matmul is float32, measured on the 30
-# decoder layers with their weights streaming from memory as in the model (one thread, ms):
-# AVX-512 at 4 / 5 / 16 / 48 / 80 rows 20 / 21 / 38 / 94 / 144 against torch's 18 / 25 / 62 /
-# 161 / 261 and the matmul's 91 / 114 / 80 / 125 / 166 (96 rows: 297 against 198); AVX2 (the same
-# Xeon, MKL and torch held to AVX2) at 4 / 16 / 48 / 64: 25 / 61 / 158 / 213 against torch's 28 /
-# 95 / 284 / 399 and the matmul's 92 / 117 / 186 / 208 (docs/benchmarks.md).
-INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX-512": (5, 80), "AVX2": (4, 64)}
+# decoder layers with their weights streaming from memory as in the model (ms; this project's
+# processes run torch on both CPUs): AVX-512 at 4 / 16 / 24 / 32 rows, two threads, 12 / 32 / 44 /
+# 57 against the matmul's 41 / 43 / 48 / 53 (torch's int4 kernel, which scales better over two
+# threads of this machine, about as ours); one thread, 20 / 38 / 51 / 63 against torch's 18 / 62
+# / 86 / 108 and the matmul's 91 / 80 / 93 / 99. AVX2 (the same Xeon, MKL and torch held to
+# AVX2), two threads, at 4 / 16 / 32 rows 16 / 38 / 65 against torch's 16 / 52 / 100 and the
+# matmul's 49 / 53 / 79; one thread at 48: 158 against 284 and 186 (docs/benchmarks.md).
+INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX-512": (5, 32), "AVX2": (4, 48)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
 
