@@ -24,8 +24,8 @@
 #define GROUP 32 /* inputs per scale and zero */
 
 #if defined(__AVX512F__)
-/* One vector: a block's 16 outputs. Eight rows at once: 8 sums and the weights they read in 32
- * registers. */
+/* One vector: a block's 16 outputs. Eight rows at once: eight independent sums in registers
+ * hide the FMAs' latency, and each weight vector loaded serves eight FMAs. */
 typedef __m512 vec;
 typedef __m512i ivec;
 #define LANES 16
@@ -43,7 +43,8 @@ typedef __m512i ivec;
 #define low_nibble(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
 #define high_nibble(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
 #else
-/* Two vectors a block; four rows at once: 8 sums and 2 weights of 16 registers. */
+/* Two vectors a block; four rows at once: their 8 sums, 2 weights and a broadcast fit AVX2's 16
+ * registers. */
 typedef __m256 vec;
 typedef __m256i ivec;
 #define LANES 8
