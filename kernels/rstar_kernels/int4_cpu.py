@@ -92,12 +92,13 @@ class Int4Kernel:
         name: str,
         source: str,
         flags: tuple[str, ...],
-        needs: frozenset[str],
         activations: torch.dtype,
         pack: Callable[[torch.Tensor], torch.Tensor],
         init: str | None = None,
     ):
-        self.name, self.flags, self.needs = name, flags, needs
+        self.name, self.flags = name, flags
+        # The CPU features the flags compile for, as Linux names them ("-mamx-bf16": amx_bf16).
+        self.needs = frozenset(flag.removeprefix("-m").replace("-", "_") for flag in flags)
         self.source = Path(__file__).with_name(source)
         self.activations, self.pack, self.init = activations, pack, init
         self.entry = f"{self.source.stem}_mm"
@@ -192,28 +193,15 @@ AMX = Int4Kernel(
     "AMX",
     "int4_cpu.c",
     ("-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"),
-    frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw"}),
     torch.bfloat16,
     pack_amx,
     init="int4_cpu_init",
 )
 # The same source in 16 float32 lanes or in 8; its activations are bfloat16 values in float32
 # (exact), which the FMAs read without converting.
-AVX512 = Int4Kernel(
-    "AVX-512",
-    "int4_avx.c",
-    ("-mavx512f", "-mfma"),
-    frozenset({"avx512f", "fma"}),
-    torch.float32,
-    pack_pairs,
-)
-AVX2 = Int4Kernel(
-    "AVX2",
-    "int4_avx.c",
-    ("-mavx2", "-mfma"),
-    frozenset({"avx2", "fma"}),
-    torch.float32,
-    pack_pairs,
+AVX512, AVX2 = (
+    Int4Kernel(name, "int4_avx.c", flags, torch.float32, pack_pairs)
+    for name, flags in (("AVX-512", ("-mavx512f", "-mfma")), ("AVX2", ("-mavx2", "-mfma")))
 )
 
 

@@ -184,16 +184,16 @@ def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
     assert ours.call_count == (3 if layer.kernel else 0)
 
 
-def no_kernel_of_ours():
-    """A machine where neither the AMX nor an AVX kernel runs."""
+def without_amx(avx=None):
+    """A machine without AMX whose AVX kernel is `avx` (None: neither of ours runs)."""
     return mock.patch.multiple(
-        int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: None
+        int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: avx
     )
 
 
 def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
     linear = q4_1_layer(48, 3 * INT4_GROUP)
-    with no_kernel_of_ours():
+    with without_amx():
         layer = Int4Linear(linear)
     assert layer.kernel is None and not hasattr(layer, "weight_packed")
     x = torch.randn(4, 1, 3 * INT4_GROUP)
@@ -213,9 +213,7 @@ def test_the_avx_kernel_runs_only_where_the_matmul_is_float32():
     for dtype, kernel in ((torch.bfloat16, None), (torch.float32, avx)):
         with (
             mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
-            mock.patch.multiple(
-                int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: avx
-            ),
+            without_amx(avx),
         ):
             layer = Int4Linear(linear)
         assert layer.kernel is kernel
@@ -243,7 +241,7 @@ def test_both_matmuls_hold_the_same_weights(dtype):
     linear = q4_1_layer(48, 3 * INT4_GROUP)
     with (
         mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
-        no_kernel_of_ours(),
+        without_amx(),
     ):
         int4, int8 = Int4Linear(linear), Int8Linear(linear)
     assert int4.gemm_rows == (FLOAT32_GEMM_ROWS if dtype == torch.float32 else INT4_GEMM_ROWS)
