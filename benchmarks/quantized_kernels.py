@@ -4,7 +4,7 @@ against its matmul (what a layer runs from its `gemm_rows` on: bfloat16 where th
 natively, else float32), and where one of `rstar_kernels.int4_cpu`'s kernels runs (AMX; AVX-512 or
 AVX2 where the matmul is float32), `Int4Linear`'s, pinned at the rows it takes over from.
 
-    python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20]
+    python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20] [--streaming]
 
 CPU milliseconds of one decode step (median of `--repeats`; CPU time of this thread, so the
 figures hold on a shared machine when `--threads 1`): the LM head (int8 in both schemes) and the
@@ -14,12 +14,16 @@ the matmul, because the packed kernels' cost grows with the rows). Random weight
 of the real shapes: the kernels' time does not depend on the values. Each call reads weights
 that the previous calls left in the cache, so memory-bound few-row calls look faster than in a
 model, whose weights do not fit in the cache: `embedded_generation.py` measures whole steps.
+`--streaming` measures instead the decode steps of 30 distinct decoder layers and the LM head
+as the model runs them, the weights streaming from memory: wall ms of the pass over all of them
+(so `--threads 2` counts both threads), int4's kernels only.
 Prints Markdown for docs/benchmarks.md. Not a test: figures depend on the machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -47,6 +51,7 @@ LAYER_SHAPES = [
 ]
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48)
 PREFILL_ROWS = (80, 320, 1280)
+STREAMING_ROWS = (*ROWS, 64, 96)  # up to the demo's widest decode steps
 
 
 def cpu_ms(layer: QuantizedLinear, x: torch.Tensor, kernel_rows: int, repeats: int) -> float:
@@ -69,13 +74,60 @@ def step_ms(layers: list[QuantizedLinear], rows: int, kernel_rows: int, repeats:
     )
 
 
+def pass_ms(layers: list[QuantizedLinear], rows: int, kernel_rows: int, repeats: int) -> float:
+    """Median wall ms of `layers` once each, in order, at `rows` rows, by the kernel that
+    `kernel_rows` rows choose."""
+    inputs = {features: torch.randn(rows, features) for features in (HIDDEN, INTERMEDIATE)}
+    times = []
+    with contextlib.ExitStack() as pins, torch.inference_mode():
+        for layer in layers:
+            pins.enter_context(kernel_for_batch(layer, kernel_rows))
+        for _ in range(repeats + 1):  # the first pass sets each kernel up for its shape
+            start = time.perf_counter()
+            for layer in layers:
+                layer(inputs[layer.in_features])
+            times.append(time.perf_counter() - start)
+    return statistics.median(times[1:]) * 1e3
+
+
+def streaming(repeats: int) -> None:
+    """The --streaming table: 30 distinct int4 decoder layers and the int8 LM head."""
+    head = Int8Linear(torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+    layers = [
+        Int4Linear(torch.nn.Linear(i, o, bias=False))
+        for _ in range(LAYERS)
+        for i, o in LAYER_SHAPES
+    ]
+    ours = layers[0].kernel
+    kernels = {"torch's int4pack": 1, f"{matmul_dtype()} matmul": layers[0].gemm_rows}
+    if ours is not None:
+        kernels[ours.name] = layers[0].kernel_rows
+    print(
+        "| rows | LM head, int8pack | LM head, matmul | "
+        + " | ".join(f"30 layers, {name}" for name in kernels)
+        + " |"
+    )
+    print("| --- | --- | --- |" + " --- |" * len(kernels))
+    for rows in STREAMING_ROWS:
+        cells = [pass_ms([head], rows, kernel, repeats) for kernel in (1, head.gemm_rows)]
+        cells += [pass_ms(layers, rows, kernel, repeats) for kernel in kernels.values()]
+        print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--streaming", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.streaming:
+        print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
+        print(f"- load average: {load_average()}; wall ms, median of {args.repeats}; streaming")
+        print()
+        streaming(args.repeats)
+        return
     head = [Int8Linear(torch.nn.Linear(HIDDEN, VOCAB, bias=False))]
     linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
     int8 = [Int8Linear(linear) for linear in linears]

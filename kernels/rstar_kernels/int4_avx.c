@@ -1,18 +1,21 @@
-/* A weight-only int4 linear layer on AVX-512 or AVX2 with FMA, for CPUs without native bfloat16:
+/* A weight-only int4 linear layer on AVX-512 or AVX2 with FMA, for CPUs without AMX:
  * out[M, N] = x[M, K] . w[N, K]^T in float32, where w, in groups of 32 inputs, is
  * (q - 8) * scale + zero with q in 0..15 and one float32 scale and zero per output and group (the
  * weights of int4_cpu.c; int4_cpu.py says why this kernel).
  *
- * Each group's 4-bit values for 16 outputs are unpacked once per call into float32 integers
- * -8..7 (exact), which multiply every row of x with FMAs; the group's scale and zero are applied
- * to those float32 sums afterwards, as in the AMX kernel:
+ * Each group's 4-bit values for 16 outputs are unpacked once per call into integers -8..7
+ * (exact in float32 and in bfloat16), which multiply every row of x; the group's scale and zero
+ * are applied to those float32 sums afterwards, as in the AMX kernel:
  *   out[r, n] = sum_g scale[n, g] * sum_{k in g} x[r, k] (q[n, k] - 8) + zero[n, g] * sum_{k in g} x[r, k].
- * Each row's sums are taken in the same order (inputs 0..31 of a group, then the groups in order)
- * whatever the other rows of its batch; x's values are bfloat16's, so each product is exact.
+ * Built with AVX512-BF16 (__AVX512BF16__), x is bfloat16 and each instruction multiplies an input
+ * pair (vdpbf16ps: two products added to each float32 sum); else x holds bfloat16 values in
+ * float32 and each FMA multiplies one input. Either way each product is exact, and each row's
+ * sums are taken in the same order (the inputs of a group in order, then the groups in order)
+ * whatever the other rows of its batch.
  *
- * Layouts: x [M, K] float32 row-major; q [N/16][K/32][16][16] bytes, byte o of input pair t
+ * Layouts: x [M, K] row-major; q [N/16][K/32][16][16] bytes, byte o of input pair t
  * holding q[16 block + o, 32 g + 2 t] in its low nibble and q[16 block + o, 32 g + 2 t + 1] in its
- * high one; scale and zero [N/16][K/32][16] (int4_cpu.c's); out [M, N]. */
+ * high one; scale and zero [N/16][K/32][16] (int4_cpu.c's); out [M, N] float32. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -63,31 +66,68 @@ typedef __m256i ivec;
 #endif
 #define VECS (BLOCK / LANES) /* vectors a block */
 
-/* One group's weights for a block as float32 integers q - 8: w[VECS * k + v] holds input k's
- * outputs LANES v .. LANES v + LANES - 1. */
+#if defined(__AVX512BF16__)
+/* A lane holds one output's weights for an input pair, as two bfloat16s: each dot instruction
+ * adds both products. */
+typedef uint16_t activation; /* bfloat16's bits */
+#define STEP 2 /* inputs an instruction multiplies */
+static inline float to_float(activation a) {
+  const uint32_t bits = (uint32_t)a << 16;
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+/* The float32 integers lo and hi as bfloat16 pairs (their low 16 bits are zero: exact). */
+static inline vec bfloat16_pairs(vec lo, vec hi) {
+  const __m512i top = _mm512_and_si512(_mm512_castps_si512(hi), _mm512_set1_epi32((int)0xFFFF0000));
+  return _mm512_castsi512_ps(_mm512_or_si512(top, _mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+}
+/* sums + the products of an input pair's weights (each lane's bfloat16 pair) and x[0], x[1]. */
+static inline vec multiply_add(vec sums, vec weights, const activation *x) {
+  int32_t pair;
+  memcpy(&pair, x, sizeof pair);
+  return _mm512_dpbf16_ps(sums, (__m512bh)weights, (__m512bh)_mm512_set1_epi32(pair));
+}
+#else
+typedef float activation;
+#define STEP 1
+static inline float to_float(activation a) { return a; }
+static inline vec multiply_add(vec sums, vec weights, const activation *x) {
+  return vfma(vset1(*x), weights, sums);
+}
+#endif
+
+/* One group's weights for a block as integers q - 8: w[VECS * s + v] holds step s's inputs (an
+ * input, or an input pair in bfloat16) for outputs LANES v .. LANES v + LANES - 1. */
 static inline void unpack(const uint8_t *packed, vec *w) {
   const vec eight = vset1(8.0f);
   for (int pair = 0; pair < GROUP / 2; pair++)
     for (int v = 0; v < VECS; v++) {
       const ivec bytes = widen(packed + BLOCK * pair + LANES * v);
-      w[VECS * (2 * pair) + v] = vsub(low_nibble(bytes), eight);
-      w[VECS * (2 * pair + 1) + v] = vsub(high_nibble(bytes), eight);
+      const vec lo = vsub(low_nibble(bytes), eight), hi = vsub(high_nibble(bytes), eight);
+#if STEP == 2
+      w[VECS * pair + v] = bfloat16_pairs(lo, hi);
+#else
+      w[VECS * (2 * pair) + v] = lo;
+      w[VECS * (2 * pair + 1) + v] = hi;
+#endif
     }
 }
 
 /* `rows` rows' (a compile-time constant where inlined) products with one group's weights, scaled
  * and added to their running outputs acc (BLOCK floats a row). */
 static inline __attribute__((always_inline)) void rows_times_group(
-    const float *x, int64_t k, const vec *w, const float *scale, const float *zero,
+    const activation *x, int64_t k, const vec *w, const float *scale, const float *zero,
     const float *x_sums, int64_t groups, float *acc, const int rows) {
   vec sums[ROWS_AT_ONCE][VECS];
   for (int r = 0; r < rows; r++)
     for (int v = 0; v < VECS; v++) sums[r][v] = vzero();
 #pragma GCC unroll 4
-  for (int input = 0; input < GROUP; input++)
+  for (int step = 0; step < GROUP / STEP; step++)
     for (int v = 0; v < VECS; v++) {
-      const vec weight = w[VECS * input + v];
-      for (int r = 0; r < rows; r++) sums[r][v] = vfma(vset1(x[r * k + input]), weight, sums[r][v]);
+      const vec weight = w[VECS * step + v];
+      for (int r = 0; r < rows; r++)
+        sums[r][v] = multiply_add(sums[r][v], weight, x + r * k + STEP * step);
     }
   for (int v = 0; v < VECS; v++) {
     const vec s = vloadu(scale + LANES * v), z = vloadu(zero + LANES * v);
@@ -99,14 +139,14 @@ static inline __attribute__((always_inline)) void rows_times_group(
 }
 
 /* Each row's sum over each group of its inputs, for the zeros, in a fixed order. */
-static float group_sum(const float *xs) {
+static float group_sum(const activation *xs) {
   float total = 0.0f;
-  for (int i = 0; i < GROUP; i++) total += xs[i];
+  for (int i = 0; i < GROUP; i++) total += to_float(xs[i]);
   return total;
 }
 
 /* 0, or -1 when there was no memory for the scratch. */
-int int4_avx_mm(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *q,
+int int4_avx_mm(const activation *x, int64_t m, int64_t k, int64_t n, const uint8_t *q,
                 const float *scale, const float *zero, float *out) {
   const int64_t groups = k / GROUP, blocks = n / BLOCK;
   float *x_sums = malloc(sizeof(float) * m * groups);
@@ -117,7 +157,7 @@ int int4_avx_mm(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *
   }
 #pragma omp parallel
   {
-    vec w[GROUP * VECS];
+    vec w[GROUP / STEP * VECS];
     float *acc = accs + BLOCK * m * omp_get_thread_num();
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < m * groups; i++) x_sums[i] = group_sum(x + (i / groups) * k + (i % groups) * GROUP);
@@ -128,7 +168,8 @@ int int4_avx_mm(const float *x, int64_t m, int64_t k, int64_t n, const uint8_t *
         const int64_t at = block * groups + g;
         unpack(q + at * BLOCK * GROUP / 2, w);
         for (int64_t first = 0; first < m; first += ROWS_AT_ONCE) {
-          const float *xs = x + first * k + g * GROUP, *sums = x_sums + first * groups + g;
+          const activation *xs = x + first * k + g * GROUP;
+          const float *sums = x_sums + first * groups + g;
           float *rows_acc = acc + BLOCK * first;
           const float *s = scale + at * BLOCK, *z = zero + at * BLOCK;
           switch (m - first < ROWS_AT_ONCE ? m - first : ROWS_AT_ONCE) {

@@ -1,15 +1,17 @@
 """Weight-only int4 matmuls for decode steps of several rows on the CPU, built with the machine's C
-compiler on first use: on Intel AMX (`int4_cpu.c`), and with AVX-512 or AVX2 FMAs on CPUs without
-native bfloat16 (`int4_avx.c`).
+compiler on first use: on Intel AMX (`int4_cpu.c`); with AVX512-BF16's dot products on CPUs that
+multiply bfloat16 natively without AMX (AMD Zen 4, Intel Cooper Lake); and with AVX-512 or AVX2
+FMAs on CPUs without native bfloat16 (`int4_avx.c`, one source for the three).
 
 Why kernels of our own: torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for
 every few rows, so its cost grows with the rows (30 decoder layers of the embedded model, one
 thread: 8 ms at 1 row, 45 at 16), and no library on PyPI has a faster one for these CPUs
 (torchao's DA8W4 kernel is not in its wheel and quantizes activations; docs/benchmarks.md). These
 unpack each group of 32 weights once per call into small integers, multiply every row with them
-(up to 16 rows in one AMX instruction, or one FMA a row and input over 16 or 8 outputs) and scale
-the float32 sums afterwards, so their cost grows slowly with the rows. Their results are float32
-sums of the exact weights and do not depend on the other rows of the batch.
+(up to 16 rows in one AMX instruction, one dot product a row and input pair over 16 outputs, or
+one FMA a row and input over 16 or 8 outputs) and scale the float32 sums afterwards, so their cost
+grows slowly with the rows. Their results are float32 sums of the exact weights and do not depend
+on the other rows of the batch.
 
 A kernel's shared library is compiled with gcc (or `$CC`) into the cache
 (`$XDG_CACHE_HOME/rstar-pipelines/kernels`, named by a hash of the source and the flags) and
@@ -41,6 +43,8 @@ log = logging.getLogger(__name__)
 GROUP = 32  # inputs per scale and zero
 BLOCK = 16  # outputs a group's unpacked weights cover (an AMX tile's columns)
 BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# Where Linux's name of a CPU feature is not gcc's flag for it.
+LINUX_NAMES = {"avx512bf16": "avx512_bf16"}
 
 
 def _cache_dir() -> Path:
@@ -98,7 +102,10 @@ class Int4Kernel:
     ):
         self.name, self.flags = name, flags
         # The CPU features the flags compile for, as Linux names them ("-mamx-bf16": amx_bf16).
-        self.needs = frozenset(flag.removeprefix("-m").replace("-", "_") for flag in flags)
+        self.needs = frozenset(
+            LINUX_NAMES.get(feature, feature)
+            for feature in (flag.removeprefix("-m").replace("-", "_") for flag in flags)
+        )
         self.source = Path(__file__).with_name(source)
         self.activations, self.pack, self.init = activations, pack, init
         self.entry = f"{self.source.stem}_mm"
@@ -197,8 +204,12 @@ AMX = Int4Kernel(
     pack_amx,
     init="int4_cpu_init",
 )
-# The same source in 16 float32 lanes or in 8; its activations are bfloat16 values in float32
-# (exact), which the FMAs read without converting.
+# The same source with AVX512-BF16's dot products over bfloat16 activations (two inputs an
+# instruction), or with FMAs in 16 float32 lanes or in 8, whose activations are bfloat16 values in
+# float32 (exact), read without converting.
+AVX512_BF16 = Int4Kernel(
+    "AVX512-BF16", "int4_avx.c", ("-mavx512f", "-mavx512bf16", "-mfma"), torch.bfloat16, pack_pairs
+)
 AVX512, AVX2 = (
     Int4Kernel(name, "int4_avx.c", flags, torch.float32, pack_pairs)
     for name, flags in (("AVX-512", ("-mavx512f", "-mfma")), ("AVX2", ("-mavx2", "-mfma")))
@@ -206,5 +217,5 @@ AVX512, AVX2 = (
 
 
 def avx_kernel() -> Int4Kernel | None:
-    """The widest AVX kernel that runs here, if any."""
+    """The widest AVX FMA kernel that runs here, if any."""
     return next((kernel for kernel in (AVX512, AVX2) if kernel.available()), None)

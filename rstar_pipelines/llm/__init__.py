@@ -43,12 +43,14 @@ __all__ = [
 # CPU without native bfloat16, the quantized layers' matmul in float32.
 # 4: on a CPU without native bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512
 # or AVX2 kernel (`rstar_kernels.int4_cpu`).
-TRANSFORMERS_REVISION = 4
+# 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5 to 63 rows through the AVX-512
+# bfloat16 dot-product kernel.
+TRANSFORMERS_REVISION = 5
 
 
 def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
     """The transformers backend's id for `model` under `quantization` and SeerAttention-R
-    settings `seer`, which keys its cached completions: "transformers@4:embedded+int4"."""
+    settings `seer`, which keys its cached completions: "transformers@5:embedded+int4"."""
     name = f"transformers@{TRANSFORMERS_REVISION}:{model}{quantization_tag(quantization)}"
     return name + (seer.tag if seer else "")
 

@@ -31,8 +31,9 @@ the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` fo
   with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to
   the matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
   kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
-  over to the float32 matmul at 12. Elsewhere (AVX512-BF16 without AMX) torch's kernel runs up
-  to the bfloat16 matmul's 32. Torch's kernel and the bfloat16 matmul differ from the exact
+  over to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX (AMD Zen 4), the AVX-512
+  kernel of bfloat16 dot products, from 5 rows up to 64, where torch's kernel handed over to the
+  bfloat16 matmul at 32. Torch's kernel and the bfloat16 matmul differ from the exact
   weights' float32 sums by bfloat16 roundings (of the sums, of the weights); our kernels and the
   float32 matmul compute those sums.
 """
@@ -58,7 +59,8 @@ FLOAT32_GEMM_ROWS = 12
 # of 12 rows and more; padded to this many, a row's result does not depend on its batch.
 FLOAT32_MATMUL_ROWS = 12
 # The kernels of `rstar_kernels.int4_cpu`, where one runs, take over from torch's int4 kernel from
-# the first of these rows and keep ahead of the matmul up to the second. AMX (a 576 x 1536 layer,
+# the first of these rows and keep ahead of the matmul up to the second (for AVX512-BF16, 64: past
+# the 48 rows of the demo's candidate_solutions steps). AMX (a 576 x 1536 layer,
 # one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights
 # in the cache, 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514
 # against 473). AVX-512 and AVX2, which run where the matmul is float32, measured on the 30
@@ -68,8 +70,11 @@ FLOAT32_MATMUL_ROWS = 12
 # threads of this machine, about as ours); one thread, 20 / 38 / 51 / 63 against torch's 18 / 62
 # / 86 / 108 and the matmul's 91 / 80 / 93 / 99. AVX2 (the same Xeon, MKL and torch held to
 # AVX2), two threads, at 4 / 16 / 32 rows 16 / 38 / 65 against torch's 16 / 52 / 100 and the
-# matmul's 49 / 53 / 79; one thread at 48: 158 against 284 and 186 (docs/benchmarks.md).
-INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX-512": (5, 32), "AVX2": (4, 48)}
+# matmul's 49 / 53 / 79; one thread at 48: 158 against 284 and 186. AVX512-BF16, which runs where
+# the matmul is bfloat16 but there is no AMX (Zen 4), streaming as above, two threads, at 4 / 6 /
+# 16 / 32 / 48 / 64 / 96 rows: 11 / 13 / 21 / 38 / 44 / 69 / 76 against torch's 10 / 17 / 36 / 59
+# / 73 / 108 / 163 and the matmul's 26 / 30 / 39 / 54 / 56 / 80 / 84 (docs/benchmarks.md).
+INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX512-BF16": (5, 64), "AVX-512": (5, 32), "AVX2": (4, 48)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
 
@@ -80,6 +85,17 @@ def matmul_dtype() -> torch.dtype:
     natively, else float32 (over weights dequantized once, the same values; emulated, bfloat16's
     matmul is 3-4 times slower than float32's, a prefill of 1,280 tokens 30 s against 3.6)."""
     return torch.bfloat16 if cpu_features.native_bfloat16() else torch.float32
+
+
+def int4_kernel() -> int4_cpu.Int4Kernel | None:
+    """The kernel of `rstar_kernels.int4_cpu` that int4 layers run here, if any: AMX; else the
+    AVX-512 dot products of bfloat16 where the matmul is bfloat16 (AVX512-BF16), or the AVX-512 or
+    AVX2 FMAs where it is float32."""
+    if int4_cpu.AMX.available():
+        return int4_cpu.AMX
+    if matmul_dtype() == torch.bfloat16:
+        return int4_cpu.AVX512_BF16 if int4_cpu.AVX512_BF16.available() else None
+    return int4_cpu.avx_kernel()
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -216,9 +232,7 @@ class Int4Linear(QuantizedLinear):
         # A kernel of our own, where one runs (AMX; else, where the matmul is float32 because
         # the CPU has no native bfloat16, AVX-512 or AVX2), and its copy of the same integers,
         # scales and zeros (float32 from bfloat16: the same grid).
-        self.kernel = int4_cpu.AMX if int4_cpu.AMX.available() else None
-        if self.kernel is None and self.matmul_dtype == torch.float32:
-            self.kernel = int4_cpu.avx_kernel()
+        self.kernel = int4_kernel()
         if self.kernel is not None:
             self.kernel_rows, self.gemm_rows = INT4_KERNEL_ROWS[self.kernel.name]
             self.register_buffer(

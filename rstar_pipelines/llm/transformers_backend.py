@@ -11,7 +11,7 @@ What to know about its behaviour:
   4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
   the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
   weights, the default otherwise. The scheme is part of the name, and so is the backend's
-  revision (`transformers@4:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
+  revision (`transformers@5:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
   one scheme, or of older code, are never taken for another's.
 - Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
   so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of

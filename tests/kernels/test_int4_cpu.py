@@ -1,5 +1,6 @@
-"""The int4 kernels of `rstar_kernels.int4_cpu` (AMX; AVX-512 and AVX2 FMAs): their layouts, their
-sums, their rows' independence, and how they stay off where they cannot run."""
+"""The int4 kernels of `rstar_kernels.int4_cpu` (AMX; AVX-512 bfloat16 dot products; AVX-512 and
+AVX2 FMAs): their layouts, their sums, their rows' independence, and how they stay off where they
+cannot run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 from rstar_kernels import int4_cpu
 
+ALL_KERNELS = (int4_cpu.AMX, int4_cpu.AVX512_BF16, int4_cpu.AVX512, int4_cpu.AVX2)
 KERNELS = [
     pytest.param(
         kernel,
@@ -18,7 +20,7 @@ KERNELS = [
             not kernel.available(), reason=f"the CPU cannot run the {kernel.name} kernel"
         ),
     )
-    for kernel in (int4_cpu.AMX, int4_cpu.AVX512, int4_cpu.AVX2)
+    for kernel in ALL_KERNELS
 ]
 
 
@@ -90,7 +92,16 @@ def test_the_kernel_names_what_it_takes(kernel):
         kernel.mm(torch.randn(96, 2, dtype=kernel.activations).T, *packed)
 
 
-@pytest.mark.parametrize("kernel", [int4_cpu.AMX, int4_cpu.AVX512, int4_cpu.AVX2], ids=repr)
+def test_each_kernel_needs_the_cpu_features_linux_names_for_its_flags():
+    assert [kernel.needs for kernel in ALL_KERNELS] == [
+        {"avx512f", "avx512bw", "amx_tile", "amx_bf16"},
+        {"avx512f", "avx512_bf16", "fma"},
+        {"avx512f", "fma"},
+        {"avx2", "fma"},
+    ]
+
+
+@pytest.mark.parametrize("kernel", ALL_KERNELS, ids=repr)
 def test_without_a_compiler_the_kernel_stays_off_and_says_why(
     kernel, monkeypatch, tmp_path, caplog
 ):

@@ -139,10 +139,13 @@ def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
 
 
 def expected_int4_kernel() -> int4_cpu.Int4Kernel | None:
-    """The kernel of our own an int4 layer runs here: AMX, else AVX where the matmul is float32."""
+    """The kernel of our own an int4 layer runs here: AMX; else the AVX-512 bfloat16 dot products
+    where the matmul is bfloat16, or the AVX FMAs where it is float32."""
     if int4_cpu.AMX.available():
         return int4_cpu.AMX
-    return int4_cpu.avx_kernel() if float32_matmul() else None
+    if float32_matmul():
+        return int4_cpu.avx_kernel()
+    return int4_cpu.AVX512_BF16 if int4_cpu.AVX512_BF16.available() else None
 
 
 def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
@@ -185,10 +188,10 @@ def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
 
 
 def without_amx(avx=None):
-    """A machine without AMX whose AVX kernel is `avx` (None: neither of ours runs)."""
-    return mock.patch.multiple(
-        int4_cpu, AMX=mock.Mock(available=lambda: False), avx_kernel=lambda: avx
-    )
+    """A machine without AMX whose AVX kernel, whichever its matmul, is `avx` (None: none of ours
+    runs)."""
+    off = mock.Mock(available=lambda: False)
+    return mock.patch.multiple(int4_cpu, AMX=off, AVX512_BF16=avx or off, avx_kernel=lambda: avx)
 
 
 def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
@@ -204,20 +207,31 @@ def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
 
 
-def test_the_avx_kernel_runs_only_where_the_matmul_is_float32():
-    """Where the CPU multiplies bfloat16 natively (but has no AMX) the bfloat16 matmul and torch's
-    kernel stay: the AVX kernel's crossovers were measured against a float32 matmul."""
+def test_each_avx_kernel_runs_where_the_matmul_it_was_measured_against_runs():
+    """Without AMX, the bfloat16 dot products run where the matmul is bfloat16 (AVX512-BF16) and
+    the FMAs where it is float32, each with its crossovers; where the dot products cannot be
+    built, torch's kernel and the bfloat16 matmul stay."""
     linear = q4_1_layer(48, 3 * INT4_GROUP)
-    avx = mock.Mock(spec=int4_cpu.Int4Kernel, pack=int4_cpu.pack_pairs)
-    avx.name = "AVX-512"
-    for dtype, kernel in ((torch.bfloat16, None), (torch.float32, avx)):
+    dot, fma = (mock.Mock(spec=int4_cpu.Int4Kernel, pack=int4_cpu.pack_pairs) for _ in "ab")
+    dot.name, fma.name = "AVX512-BF16", "AVX-512"
+    for dtype, built, kernel in (
+        (torch.bfloat16, True, dot),
+        (torch.float32, True, fma),
+        (torch.bfloat16, False, None),
+    ):
+        dot.available.return_value = built
         with (
             mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
-            without_amx(avx),
+            mock.patch.multiple(
+                int4_cpu,
+                AMX=mock.Mock(available=lambda: False),
+                AVX512_BF16=dot,
+                avx_kernel=lambda: fma,
+            ),
         ):
             layer = Int4Linear(linear)
         assert layer.kernel is kernel
-        rows = INT4_KERNEL_ROWS["AVX-512"] if kernel else (None, INT4_GEMM_ROWS)
+        rows = INT4_KERNEL_ROWS[kernel.name] if kernel else (None, INT4_GEMM_ROWS)
         assert (getattr(layer, "kernel_rows", None), layer.gemm_rows) == rows
 
 
