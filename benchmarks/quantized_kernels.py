@@ -1,8 +1,9 @@
 """The kernels of the quantized layers on the embedded model's layer shapes: `Int8Linear`'s
 row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`, each
 against its matmul (what a layer runs from its `gemm_rows` on: bfloat16 where the CPU multiplies it
-natively, else float32), and where one of `rstar_kernels.int4_cpu`'s kernels runs (AMX; AVX-512 or
-AVX2 where the matmul is float32), `Int4Linear`'s, pinned at the rows it takes over from.
+natively, else float32), and where one of `rstar_kernels.quantized_cpu`'s kernels runs (AMX;
+AVX-512 bfloat16 dot products where the matmul is bfloat16, AVX-512 or AVX2 FMAs where it is
+float32), the layer's, pinned at the rows it takes over from.
 
     python benchmarks/quantized_kernels.py [--threads 1] [--repeats 20] [--streaming]
 
@@ -102,14 +103,20 @@ def streaming(repeats: int) -> None:
     kernels = {"torch's int4pack": 1, f"{matmul_dtype()} matmul": layers[0].gemm_rows}
     if ours is not None:
         kernels[ours.name] = layers[0].kernel_rows
+    head_kernels = {"torch's int8pack": 1, f"{matmul_dtype()} matmul": head.gemm_rows}
+    if head.kernel is not None:
+        head_kernels[head.kernel.name] = head.kernel_rows
     print(
-        "| rows | LM head, int8pack | LM head, matmul | "
-        + " | ".join(f"30 layers, {name}" for name in kernels)
+        "| rows | "
+        + " | ".join(
+            [f"LM head, {name}" for name in head_kernels]
+            + [f"30 layers, {name}" for name in kernels]
+        )
         + " |"
     )
-    print("| --- | --- | --- |" + " --- |" * len(kernels))
+    print("| --- |" + " --- |" * (len(head_kernels) + len(kernels)))
     for rows in STREAMING_ROWS:
-        cells = [pass_ms([head], rows, kernel, repeats) for kernel in (1, head.gemm_rows)]
+        cells = [pass_ms([head], rows, kernel, repeats) for kernel in head_kernels.values()]
         cells += [pass_ms(layers, rows, kernel, repeats) for kernel in kernels.values()]
         print(f"| {rows} | " + " | ".join(f"{v:.1f}" for v in cells) + " |")
 
@@ -132,7 +139,7 @@ def main() -> None:
     linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
     int8 = [Int8Linear(linear) for linear in linears]
     int4 = [Int4Linear(linear) for linear in linears]
-    ours = int4[0].kernel  # a kernel of rstar_kernels.int4_cpu, where one runs here
+    ours = int4[0].kernel  # a kernel of rstar_kernels.quantized_cpu, where one runs here
     print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(
         f"- load average: {load_average()}; median of {args.repeats}; matmul from "

@@ -1,6 +1,6 @@
 /* A weight-only int4 linear layer on Intel AMX: out[M, N] = x[M, K] . w[N, K]^T in float32, where
  * x is bfloat16 and w, in groups of 32 inputs, is (q - 8) * scale + zero with q in 0..15 and one
- * float32 scale and zero per output and group (int4_cpu.py packs them and says why this kernel).
+ * float32 scale and zero per output and group (quantized_cpu.py packs them and says why this kernel).
  *
  * Each group's 4-bit values are unpacked once per call into a 16 x 16 pair tile of bfloat16
  * integers (-8..7, exact), which one AMX dot product multiplies with up to 16 rows of x at a time;

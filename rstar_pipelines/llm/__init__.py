@@ -35,16 +35,16 @@ __all__ = [
 ]
 
 # Our code computes the transformers backend's completions as much as the model does. Bumped
-# whenever a change to the backend changes them (its kernels, attention, decode loop, sampling),
-# the revision is part of the backend's model ids, so that completions cached by older code are
-# not served as this code's; ids before revision 2 carried none. 2: a prompt's prefill through
-# the quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits).
-# 3: int4 decode steps of 4 to 47 rows through the AMX kernel (`rstar_kernels.int4_cpu`); on a
-# CPU without native bfloat16, the quantized layers' matmul in float32.
-# 4: on a CPU without native bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512
-# or AVX2 kernel (`rstar_kernels.int4_cpu`).
-# 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5 to 63 rows through the AVX-512
-# bfloat16 dot-product kernel.
+# whenever a change to the backend changes them (its kernels, attention, decode loop, sampling), the
+# revision is part of the backend's model ids, so that completions cached by older code are not
+# served as this code's; ids before revision 2 carried none. 2: a prompt's prefill through the
+# quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits). 3: int4
+# decode steps of 4 to 47 rows through the AMX kernel (`rstar_kernels.quantized_cpu`); on a CPU
+# without native bfloat16, the quantized layers' matmul in float32. 4: on a CPU without native
+# bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512 or AVX2 kernel
+# (`rstar_kernels.quantized_cpu`). 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5
+# to 63 rows and int8 ones (the LM head) of 1 to 96 through the AVX-512 bfloat16 dot-product kernel
+# (`rstar_kernels.quantized_cpu`).
 TRANSFORMERS_REVISION = 5
 
 

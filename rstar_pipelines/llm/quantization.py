@@ -15,8 +15,9 @@ model generation" and "int4 weights").
   linear layers keep 4-bit weights in groups of 32 inputs with a scale and a zero each, the layout
   the embedded GGUF file ships them in (Q4_1), so the groups land back on the file's grid (up to the
   bfloat16 rounding of each scale and zero); torch's `aten._weight_int4pack_mm_for_cpu` runs them
-  (on a CPU with AMX, our kernel `rstar_kernels.int4_cpu` from 4 rows), through the matmul from 32
-  rows on (48 with AMX, 12 where the matmul is float32) and for a prompt's prefill. The LM head,
+  for few rows, a kernel of ours (`rstar_kernels.quantized_cpu`, where one runs) from 4-5 rows, the
+  matmul from `INT4_KERNEL_ROWS`' second figure (32 where none of ours runs) and for a prompt's
+  prefill. The LM head,
   which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer whose shape the int4
   kernel does not take, are int8 as above. Half the bytes of int8 per step, and closer to float32 on
   the embedded model (teacher-forced KL 0.0017 against int8's 0.0034). A checkpoint trained from the

@@ -19,15 +19,18 @@ the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` fo
 
 - `Int8Linear`: int8 weights, one scale per output row (symmetric, absmax / 127);
   `aten._weight_int8pack_mm` runs a batch row by row (the LM head: 5.4 ms at 1 row, 37 at 16,
-  86 at 48, one thread), so the matmul takes over from 8 rows (12 where it is float32). Both
-  kernels compute the same products of bfloat16 activations and the int8 values with float32
-  sums; they differ by one bfloat16 rounding of the sums (none for the float32 matmul).
+  86 at 48, one thread), so the matmul takes over from 8 rows (12 where it is float32). On a CPU
+  with AVX512-BF16 but no AMX, the int8 build of our AVX-512 dot-product kernel runs instead from
+  1 row up to 96 (`INT8_KERNEL_ROWS`): it unpacks the weights once a call and reads half the bytes
+  of the bfloat16 matmul (the LM head at 48 rows: 8 ms against 12, two threads). All compute the
+  same products of bfloat16 activations and the int8 values with float32 sums; torch's kernel and
+  the bfloat16 matmul round the sums to bfloat16 (ours and the float32 matmul do not).
 - `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the
   layout of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder
   layers ship in: fitted to each group's minimum and maximum, the groups land on the file's own
   grid, up to the bfloat16 rounding of the scale and zero the kernel reads. Torch's
   `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again
-  for every few rows. The kernels of `rstar_kernels.int4_cpu` unpack them once a call: on a CPU
+  for every few rows. The kernels of `rstar_kernels.quantized_cpu` unpack them once a call: on a CPU
   with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to
   the matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
   kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
@@ -47,7 +50,7 @@ from typing import Any
 
 import torch
 
-from rstar_kernels import cpu_features, int4_cpu
+from rstar_kernels import cpu_features, quantized_cpu
 
 # From this many rows on, the matmul is faster (measured crossovers: 8 rows for int8, 24-32 for
 # int4 against a bfloat16 matmul; 10-16 for both against a float32 one; docs/benchmarks.md).
@@ -58,23 +61,29 @@ FLOAT32_GEMM_ROWS = 12
 # other splits among two threads for 5-7 or 9-11) whose sums differ in the last bits from those
 # of 12 rows and more; padded to this many, a row's result does not depend on its batch.
 FLOAT32_MATMUL_ROWS = 12
-# The kernels of `rstar_kernels.int4_cpu`, where one runs, take over from torch's int4 kernel from
-# the first of these rows and keep ahead of the matmul up to the second (for AVX512-BF16, 64: past
-# the 48 rows of the demo's candidate_solutions steps). AMX (a 576 x 1536 layer,
-# one thread, 1 / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights
-# in the cache, 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514
-# against 473). AVX-512 and AVX2, which run where the matmul is float32, measured on the 30
-# decoder layers with their weights streaming from memory as in the model (ms; this project's
-# processes run torch on both CPUs): AVX-512 at 4 / 16 / 24 / 32 rows, two threads, 12 / 32 / 44 /
-# 57 against the matmul's 41 / 43 / 48 / 53 (torch's int4 kernel, which scales better over two
-# threads of this machine, about as ours); one thread, 20 / 38 / 51 / 63 against torch's 18 / 62
-# / 86 / 108 and the matmul's 91 / 80 / 93 / 99. AVX2 (the same Xeon, MKL and torch held to
-# AVX2), two threads, at 4 / 16 / 32 rows 16 / 38 / 65 against torch's 16 / 52 / 100 and the
-# matmul's 49 / 53 / 79; one thread at 48: 158 against 284 and 186. AVX512-BF16, which runs where
-# the matmul is bfloat16 but there is no AMX (Zen 4), streaming as above, two threads, at 4 / 6 /
-# 16 / 32 / 48 / 64 / 96 rows: 11 / 13 / 21 / 38 / 44 / 69 / 76 against torch's 10 / 17 / 36 / 59
-# / 73 / 108 / 163 and the matmul's 26 / 30 / 39 / 54 / 56 / 80 / 84 (docs/benchmarks.md).
+# The kernels of `rstar_kernels.quantized_cpu`, where one runs, take over from torch's int4 kernel
+# from the first of these rows and keep ahead of the matmul up to the second (for AVX512-BF16, 64:
+# past the 48 rows of the demo's candidate_solutions steps). AMX (a 576 x 1536 layer, one thread, 1
+# / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights in the cache,
+# 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514 against 473). AVX-512
+# and AVX2, which run where the matmul is float32, measured on the 30 decoder layers with their
+# weights streaming from memory as in the model (ms; this project's processes run torch on both
+# CPUs): AVX-512 at 4 / 16 / 24 / 32 rows, two threads, 12 / 32 / 44 / 57 against the matmul's 41 /
+# 43 / 48 / 53 (torch's int4 kernel, which scales better over two threads of this machine, about as
+# ours); one thread, 20 / 38 / 51 / 63 against torch's 18 / 62 / 86 / 108 and the matmul's 91 / 80 /
+# 93 / 99. AVX2 (the same Xeon, MKL and torch held to AVX2), two threads, at 4 / 16 / 32 rows 16 /
+# 38 / 65 against torch's 16 / 52 / 100 and the matmul's 49 / 53 / 79; one thread at 48: 158 against
+# 284 and 186. AVX512-BF16, which runs where the matmul is bfloat16 but there is no AMX (Zen 4),
+# streaming as above, two threads, at 4 / 6 / 16 / 32 / 48 / 64 / 96 rows: 11 / 13 / 21 / 38 / 44 /
+# 69 / 76 against torch's 10 / 17 / 36 / 59 / 73 / 108 / 163 and the matmul's 26 / 30 / 39 / 54 / 56
+# / 80 / 84 (docs/benchmarks.md).
 INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX512-BF16": (5, 64), "AVX-512": (5, 32), "AVX2": (4, 48)}
+# Where int8 layers run a kernel of ours (AVX512-BF16 without AMX), it takes over from torch's
+# row-by-row kernel from the first of these rows and keeps ahead of the bfloat16 matmul below the
+# second: on the LM head (49,152 x 576), weights streaming, two threads, at 1 / 8 / 16 / 48 / 96
+# rows 1.3 / 2.6 / 3.5 / 8.1 / 17.4 ms against torch's 2.3 / 6.2 / 11.7 / 37.0 / 73.8 and the
+# bfloat16 matmul's 4.3 / 5.8 / 6.0 / 12.0 / 20.7 (docs/benchmarks.md); not measured past 96.
+INT8_KERNEL_ROWS = {"AVX512-BF16": (1, 97)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
 
@@ -87,15 +96,22 @@ def matmul_dtype() -> torch.dtype:
     return torch.bfloat16 if cpu_features.native_bfloat16() else torch.float32
 
 
-def int4_kernel() -> int4_cpu.Int4Kernel | None:
-    """The kernel of `rstar_kernels.int4_cpu` that int4 layers run here, if any: AMX; else the
+def int8_kernel() -> quantized_cpu.QuantizedKernel | None:
+    """The kernel of `rstar_kernels.quantized_cpu` that int8 layers run here, if any: the AVX-512
+    dot products of bfloat16 where int4 layers run them (AVX512-BF16 without AMX)."""
+    kernel = quantized_cpu.INT8_AVX512_BF16
+    return kernel if int4_kernel() is quantized_cpu.AVX512_BF16 and kernel.available() else None
+
+
+def int4_kernel() -> quantized_cpu.QuantizedKernel | None:
+    """The kernel of `rstar_kernels.quantized_cpu` that int4 layers run here, if any: AMX; else the
     AVX-512 dot products of bfloat16 where the matmul is bfloat16 (AVX512-BF16), or the AVX-512 or
     AVX2 FMAs where it is float32."""
-    if int4_cpu.AMX.available():
-        return int4_cpu.AMX
+    if quantized_cpu.AMX.available():
+        return quantized_cpu.AMX
     if matmul_dtype() == torch.bfloat16:
-        return int4_cpu.AVX512_BF16 if int4_cpu.AVX512_BF16.available() else None
-    return int4_cpu.avx_kernel()
+        return quantized_cpu.AVX512_BF16 if quantized_cpu.AVX512_BF16.available() else None
+    return quantized_cpu.avx_kernel()
 
 
 class QuantizedLinear(torch.nn.Module):
@@ -162,12 +178,24 @@ class Int8Linear(QuantizedLinear):
         # The same integers for the matmul: exact, |q| <= 127 fits bfloat16's 8-bit significand.
         self.register_buffer("weight_matmul", rounded.to(self.matmul_dtype), persistent=False)
         self.register_buffer("scale_float", scale.float(), persistent=False)
+        # A kernel of our own, where one runs and the layer's shape fits its blocks, and its copy
+        # of the same integers.
+        fits = (
+            self.in_features % quantized_cpu.GROUP == 0
+            and self.out_features % quantized_cpu.BLOCK == 0
+        )
+        self.kernel = int8_kernel() if fits else None
+        if self.kernel is not None:
+            self.kernel_rows, self.gemm_rows = INT8_KERNEL_ROWS[self.kernel.name]
+            self.register_buffer("weight_packed", self.kernel.pack(rounded), persistent=False)
 
     def _matmul(self, rows: torch.Tensor) -> torch.Tensor:
         sums = self._linear(rows)
         return torch.mul(sums, self.scale_float)  # float32 by type promotion
 
     def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
+        if self.kernel is not None and batch_rows >= self.kernel_rows:
+            return self.kernel.mm(rows, self.weight_packed, self.scale_float)
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
@@ -238,8 +266,8 @@ class Int4Linear(QuantizedLinear):
             self.register_buffer(
                 "weight_packed", self.kernel.pack(q.view(self.out_features, -1)), persistent=False
             )
-            self.register_buffer("scale_packed", int4_cpu.pack_groups(scale), persistent=False)
-            self.register_buffer("zero_packed", int4_cpu.pack_groups(zero), persistent=False)
+            self.register_buffer("scale_packed", quantized_cpu.pack_groups(scale), persistent=False)
+            self.register_buffer("zero_packed", quantized_cpu.pack_groups(zero), persistent=False)
         dequantized = (q - 8) * scale.float()[..., None] + zero.float()[..., None]
         self.register_buffer(
             "weight_matmul",

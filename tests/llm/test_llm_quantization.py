@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rstar_kernels import cpu_features, int4_cpu
+from rstar_kernels import cpu_features, quantized_cpu
 from rstar_pipelines import llm as llm_package
 from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm, quantized_linear
 from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
@@ -24,6 +24,7 @@ from rstar_pipelines.llm.quantized_linear import (
     INT4_GEMM_ROWS,
     INT4_GROUP,
     INT4_KERNEL_ROWS,
+    INT8_KERNEL_ROWS,
     Int4Linear,
     Int8Linear,
     kernel_for_batch,
@@ -112,13 +113,34 @@ def test_int8_linear_keeps_each_row_on_its_own_grid():
     x = torch.randn(15, 1, 64)  # a decode step of 15 rows
     want = F.linear(x.bfloat16().float(), dequantized, linear.bias)
     assert want.shape == (15, 1, 48)
-    by_kernel = outputs_by_kernel(layer, x, want)
-    # The two kernels differ by the one rounding of their sums to bfloat16.
-    assert layer.gemm_rows == (FLOAT32_GEMM_ROWS if float32_matmul() else GEMM_ROWS)
+    assert layer.kernel is expected_int8_kernel()
+    pins = tuple(sorted({1, getattr(layer, "kernel_rows", 1), layer.gemm_rows}))
+
+    def ours(rows: int) -> bool:  # whether a call of `rows` rows (pinned or not) runs our kernel
+        return layer.kernel is not None and layer.kernel_rows <= rows < layer.gemm_rows
+
+    counting = (
+        mock.patch.object(layer.kernel, "mm", wraps=layer.kernel.mm)
+        if layer.kernel
+        else contextlib.nullcontext(mock.Mock(call_count=0))
+    )
+    with counting as calls:
+        by_kernel = outputs_by_kernel(layer, x, want, pins)
+        # Unpinned, each call's rows choose: 15 rows the matmul, or our kernel where one runs
+        # below its gemm_rows; 1 row torch's row kernel, or ours where it runs from 1 row.
+        fifteen = layer.gemm_rows if layer.gemm_rows <= 15 else layer.kernel_rows
+        assert torch.equal(layer(x), by_kernel[fifteen])
+        assert torch.equal(layer(x[2:3]), by_kernel[1][2:3])
+    # Pinned: 15 rows and one of them under each pin; unpinned: 15 rows, then one.
+    assert calls.call_count == 2 * sum(map(ours, pins)) + ours(15) + ours(1)
+    if layer.kernel:
+        assert (layer.kernel_rows, layer.gemm_rows) == INT8_KERNEL_ROWS[layer.kernel.name]
+        # Float32 sums of the exact products, scaled afterwards: no bfloat16 rounding of the sums.
+        torch.testing.assert_close(by_kernel[layer.kernel_rows], want, rtol=1e-5, atol=1e-5)
+    else:
+        assert layer.gemm_rows == (FLOAT32_GEMM_ROWS if float32_matmul() else GEMM_ROWS)
+    # The row kernel and the matmul differ by at most the rounding of the sums to bfloat16.
     torch.testing.assert_close(by_kernel[1], by_kernel[layer.gemm_rows], rtol=8e-3, atol=1e-2)
-    # Unpinned, each call's rows choose: 15 rows the matmul, 1 the row kernel.
-    assert torch.equal(layer(x), by_kernel[layer.gemm_rows])
-    assert torch.equal(layer(x[2:3]), by_kernel[1][2:3])
 
 
 def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
@@ -138,14 +160,22 @@ def q4_1_layer(out_features: int, in_features: int) -> torch.nn.Linear:
     return linear
 
 
-def expected_int4_kernel() -> int4_cpu.Int4Kernel | None:
+def expected_int4_kernel() -> quantized_cpu.QuantizedKernel | None:
     """The kernel of our own an int4 layer runs here: AMX; else the AVX-512 bfloat16 dot products
     where the matmul is bfloat16, or the AVX FMAs where it is float32."""
-    if int4_cpu.AMX.available():
-        return int4_cpu.AMX
+    if quantized_cpu.AMX.available():
+        return quantized_cpu.AMX
     if float32_matmul():
-        return int4_cpu.avx_kernel()
-    return int4_cpu.AVX512_BF16 if int4_cpu.AVX512_BF16.available() else None
+        return quantized_cpu.avx_kernel()
+    return quantized_cpu.AVX512_BF16 if quantized_cpu.AVX512_BF16.available() else None
+
+
+def expected_int8_kernel() -> quantized_cpu.QuantizedKernel | None:
+    """The kernel of our own an int8 layer runs here: the bfloat16 dot products where int4 layers
+    run them."""
+    if expected_int4_kernel() is quantized_cpu.AVX512_BF16:
+        return quantized_cpu.INT8_AVX512_BF16
+    return None
 
 
 def test_int4_linear_lands_on_the_q4_1_grid_it_was_given():
@@ -191,7 +221,9 @@ def without_amx(avx=None):
     """A machine without AMX whose AVX kernel, whichever its matmul, is `avx` (None: none of ours
     runs)."""
     off = mock.Mock(available=lambda: False)
-    return mock.patch.multiple(int4_cpu, AMX=off, AVX512_BF16=avx or off, avx_kernel=lambda: avx)
+    return mock.patch.multiple(
+        quantized_cpu, AMX=off, AVX512_BF16=avx or off, avx_kernel=lambda: avx
+    )
 
 
 def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
@@ -200,7 +232,7 @@ def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
         layer = Int4Linear(linear)
     assert layer.kernel is None and not hasattr(layer, "weight_packed")
     x = torch.randn(4, 1, 3 * INT4_GROUP)
-    with kernel_for_batch(layer, 4), mock.patch.object(int4_cpu.Int4Kernel, "mm") as ours:
+    with kernel_for_batch(layer, 4), mock.patch.object(quantized_cpu.QuantizedKernel, "mm") as ours:
         got = layer(x)
     assert ours.call_count == 0
     want = F.linear(x.bfloat16().float(), linear.weight, linear.bias)
@@ -210,29 +242,37 @@ def test_int4_linear_keeps_torchs_kernel_where_no_kernel_of_ours_can_run():
 def test_each_avx_kernel_runs_where_the_matmul_it_was_measured_against_runs():
     """Without AMX, the bfloat16 dot products run where the matmul is bfloat16 (AVX512-BF16) and
     the FMAs where it is float32, each with its crossovers; where the dot products cannot be
-    built, torch's kernel and the bfloat16 matmul stay."""
-    linear = q4_1_layer(48, 3 * INT4_GROUP)
-    dot, fma = (mock.Mock(spec=int4_cpu.Int4Kernel, pack=int4_cpu.pack_pairs) for _ in "ab")
-    dot.name, fma.name = "AVX512-BF16", "AVX-512"
-    for dtype, built, kernel in (
-        (torch.bfloat16, True, dot),
-        (torch.float32, True, fma),
-        (torch.bfloat16, False, None),
+    built, torch's kernel and the bfloat16 matmul stay. Int8 layers run the dot products where
+    int4 layers do and their shape fits its blocks, else torch's row kernel."""
+    linear, odd = q4_1_layer(48, 3 * INT4_GROUP), torch.nn.Linear(40, 48)
+    dot, fma, dot8 = (mock.Mock(spec=quantized_cpu.QuantizedKernel) for _ in "abc")
+    dot.pack = fma.pack = quantized_cpu.pack_pairs
+    dot8.pack = quantized_cpu.pack_int8
+    dot.name = dot8.name = "AVX512-BF16"
+    fma.name = "AVX-512"
+    for dtype, built, kernel, int8 in (
+        (torch.bfloat16, True, dot, dot8),
+        (torch.float32, True, fma, None),
+        (torch.bfloat16, False, None, None),
     ):
-        dot.available.return_value = built
+        dot.available.return_value = dot8.available.return_value = built
         with (
             mock.patch.object(quantized_linear, "matmul_dtype", return_value=dtype),
             mock.patch.multiple(
-                int4_cpu,
+                quantized_cpu,
                 AMX=mock.Mock(available=lambda: False),
                 AVX512_BF16=dot,
+                INT8_AVX512_BF16=dot8,
                 avx_kernel=lambda: fma,
             ),
         ):
-            layer = Int4Linear(linear)
+            layer, int8_layer, odd_layer = Int4Linear(linear), Int8Linear(linear), Int8Linear(odd)
         assert layer.kernel is kernel
         rows = INT4_KERNEL_ROWS[kernel.name] if kernel else (None, INT4_GEMM_ROWS)
         assert (getattr(layer, "kernel_rows", None), layer.gemm_rows) == rows
+        assert int8_layer.kernel is int8 and odd_layer.kernel is None
+        if int8:
+            assert (int8_layer.kernel_rows, int8_layer.gemm_rows) == INT8_KERNEL_ROWS[int8.name]
 
 
 def test_the_matmul_is_bfloat16_only_where_the_cpu_multiplies_it_natively(monkeypatch):

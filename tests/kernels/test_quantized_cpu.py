@@ -1,6 +1,6 @@
-"""The int4 kernels of `rstar_kernels.int4_cpu` (AMX; AVX-512 bfloat16 dot products; AVX-512 and
-AVX2 FMAs): their layouts, their sums, their rows' independence, and how they stay off where they
-cannot run."""
+"""The kernels of `rstar_kernels.quantized_cpu` (int4: AMX, AVX-512 bfloat16 dot products, AVX-512
+and AVX2 FMAs; int8: the dot products): their layouts, their sums, their rows' independence, and
+how they stay off where they cannot run."""
 
 from __future__ import annotations
 
@@ -9,38 +9,50 @@ import logging
 import pytest
 import torch
 
-from rstar_kernels import int4_cpu
+from rstar_kernels import quantized_cpu
 
-ALL_KERNELS = (int4_cpu.AMX, int4_cpu.AVX512_BF16, int4_cpu.AVX512, int4_cpu.AVX2)
+ALL_KERNELS = (
+    quantized_cpu.AMX,
+    quantized_cpu.AVX512_BF16,
+    quantized_cpu.AVX512,
+    quantized_cpu.AVX2,
+    quantized_cpu.INT8_AVX512_BF16,
+)
 KERNELS = [
     pytest.param(
         kernel,
-        id=kernel.name,
+        id=kernel.label,
         marks=pytest.mark.skipif(
-            not kernel.available(), reason=f"the CPU cannot run the {kernel.name} kernel"
+            not kernel.available(), reason=f"the CPU cannot run the {kernel.label} kernel"
         ),
     )
     for kernel in ALL_KERNELS
 ]
 
 
-def random_layer(kernel: int4_cpu.Int4Kernel, out_features: int, in_features: int, seed: int = 0):
-    """Integers, scales and zeros of a random int4 layer in `kernel`'s layout, and its float64
-    weights."""
+def random_layer(
+    kernel: quantized_cpu.QuantizedKernel, out_features: int, in_features: int, seed: int = 0
+):
+    """Integers, scales and zeros (int8: scales) of a random layer in `kernel`'s layout, and its
+    float64 weights."""
     generator = torch.Generator().manual_seed(seed)
-    groups = in_features // int4_cpu.GROUP
+    if kernel.weights == "int8":
+        q = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+        scale = (torch.rand(out_features, generator=generator) * 0.02 + 1e-3).bfloat16().float()
+        return (kernel.pack(q), scale), q * scale.double()[:, None]
+    groups = in_features // quantized_cpu.GROUP
     q = torch.randint(0, 16, (out_features, in_features), generator=generator)
     scale = (torch.rand(out_features, groups, generator=generator) * 0.02 + 1e-3).bfloat16()
     zero = (torch.randn(out_features, groups, generator=generator) * 0.01).bfloat16()
     weight = (q.view(out_features, groups, -1) - 8) * scale.double()[..., None]
     weight = (weight + zero.double()[..., None]).view(out_features, in_features)
-    packed = kernel.pack(q), int4_cpu.pack_groups(scale), int4_cpu.pack_groups(zero)
+    packed = kernel.pack(q), quantized_cpu.pack_groups(scale), quantized_cpu.pack_groups(zero)
     return packed, weight
 
 
 def test_the_amx_layout_puts_each_weight_in_its_tile_lane():
     q = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(1))
-    packed = int4_cpu.pack_amx(q)
+    packed = quantized_cpu.pack_amx(q)
     assert packed.shape == (2, 2, 8, 32) and packed.dtype == torch.uint8
     # Lane i of tile row j of (block, group) is q[16 block + i // 2, 32 group + 2 j + i % 2];
     # rows 2p and 2p + 1 share byte i of pair p, low and high nibble.
@@ -49,17 +61,26 @@ def test_the_amx_layout_puts_each_weight_in_its_tile_lane():
         nibble = byte >> 4 if row % 2 else byte & 0xF
         assert nibble == q[16 * block + lane // 2, 32 * group + 2 * row + lane % 2]
     scale = torch.arange(32 * 2, dtype=torch.float32).view(32, 2)
-    assert torch.equal(int4_cpu.pack_groups(scale)[1, 0], scale[16:, 0])
+    assert torch.equal(quantized_cpu.pack_groups(scale)[1, 0], scale[16:, 0])
 
 
 def test_the_pair_layout_puts_each_input_pair_of_an_output_in_one_byte():
     q = torch.randint(0, 16, (32, 64), generator=torch.Generator().manual_seed(1))
-    packed = int4_cpu.pack_pairs(q)
+    packed = quantized_cpu.pack_pairs(q)
     assert packed.shape == (2, 2, 16, 16) and packed.dtype == torch.uint8
     for block, group, pair, output in ((0, 0, 0, 0), (1, 1, 15, 15), (0, 1, 6, 5), (1, 0, 9, 12)):
         byte = int(packed[block, group, pair, output])
         assert byte & 0xF == q[16 * block + output, 32 * group + 2 * pair]
         assert byte >> 4 == q[16 * block + output, 32 * group + 2 * pair + 1]
+
+
+def test_the_int8_layout_puts_each_input_pair_of_16_outputs_in_two_rows_of_bytes():
+    q = torch.randint(-127, 128, (32, 64), generator=torch.Generator().manual_seed(1))
+    packed = quantized_cpu.pack_int8(q)
+    assert packed.shape == (2, 2, 16, 2, 16) and packed.dtype == torch.int8
+    for block, group, pair, parity, output in ((0, 0, 0, 0, 0), (1, 1, 15, 1, 15), (0, 1, 6, 1, 5)):
+        want = q[16 * block + output, 32 * group + 2 * pair + parity]
+        assert int(packed[block, group, pair, parity, output]) == want
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
@@ -90,6 +111,11 @@ def test_the_kernel_names_what_it_takes(kernel):
         kernel.mm(torch.randn(2, 64, dtype=kernel.activations), *packed)
     with pytest.raises(ValueError, match=f"not {kernel.activations}"):
         kernel.mm(torch.randn(96, 2, dtype=kernel.activations).T, *packed)
+    # int4 weights need their zeros; int8 weights have none.
+    x = torch.randn(2, 96, dtype=kernel.activations)
+    wrong = packed[:2] if len(packed) == 3 else (*packed, packed[1])
+    with pytest.raises(ValueError, match="int4 weights take a zero, int8 weights none"):
+        kernel.mm(x, *wrong)
 
 
 def test_each_kernel_needs_the_cpu_features_linux_names_for_its_flags():
@@ -98,6 +124,7 @@ def test_each_kernel_needs_the_cpu_features_linux_names_for_its_flags():
         {"avx512f", "avx512_bf16", "fma"},
         {"avx512f", "fma"},
         {"avx2", "fma"},
+        {"avx512f", "avx512_bf16", "fma"},
     ]
 
 
@@ -106,24 +133,24 @@ def test_without_a_compiler_the_kernel_stays_off_and_says_why(
     kernel, monkeypatch, tmp_path, caplog
 ):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: set(kernel.needs))
+    monkeypatch.setattr(quantized_cpu, "cpu_flags", lambda: set(kernel.needs))
     kernel.library.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger=int4_cpu.__name__):
+        with caplog.at_level(logging.INFO, logger=quantized_cpu.__name__):
             monkeypatch.setenv("CC", "false")  # a compiler that always fails
             assert not kernel.available()
-            assert f"int4 {kernel.name} kernel off: " in caplog.text
+            assert f"{kernel.label} kernel off: " in caplog.text
             assert "false failed to build it" in caplog.text
             kernel.library.cache_clear()
             monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
             assert not kernel.available()
             assert "no C compiler" in caplog.text
             kernel.library.cache_clear()
-            monkeypatch.setattr(int4_cpu, "cpu_flags", lambda: {"sse2"})
+            monkeypatch.setattr(quantized_cpu, "cpu_flags", lambda: {"sse2"})
             assert not kernel.available()
             lacks = ", ".join(sorted(kernel.needs))
-            assert f"int4 {kernel.name} kernel off: the CPU lacks {lacks}" in caplog.text
-        with pytest.raises(RuntimeError, match=f"int4 {kernel.name} kernel is not available"):
+            assert f"{kernel.label} kernel off: the CPU lacks {lacks}" in caplog.text
+        with pytest.raises(RuntimeError, match=f"{kernel.label} kernel is not available"):
             kernel.mm(
                 torch.zeros(1, 32, dtype=kernel.activations), *random_layer(kernel, 16, 32)[0]
             )

@@ -1,17 +1,18 @@
-"""Weight-only int4 matmuls for decode steps of several rows on the CPU, built with the machine's C
-compiler on first use: on Intel AMX (`int4_cpu.c`); with AVX512-BF16's dot products on CPUs that
-multiply bfloat16 natively without AMX (AMD Zen 4, Intel Cooper Lake); and with AVX-512 or AVX2
-FMAs on CPUs without native bfloat16 (`int4_avx.c`, one source for the three).
+"""Weight-only int4 and int8 matmuls for decode steps of several rows on the CPU, built with the
+machine's C compiler on first use: int4 on Intel AMX (`int4_cpu.c`); and in `quantized_avx.c`, one
+source for int4 or int8 weights, with AVX512-BF16's dot products on CPUs that multiply bfloat16
+natively without AMX (AMD Zen 4, Intel Cooper Lake) or with AVX-512 or AVX2 FMAs on CPUs without
+native bfloat16.
 
 Why kernels of our own: torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for
 every few rows, so its cost grows with the rows (30 decoder layers of the embedded model, one
-thread: 8 ms at 1 row, 45 at 16), and no library on PyPI has a faster one for these CPUs
-(torchao's DA8W4 kernel is not in its wheel and quantizes activations; docs/benchmarks.md). These
-unpack each group of 32 weights once per call into small integers, multiply every row with them
-(up to 16 rows in one AMX instruction, one dot product a row and input pair over 16 outputs, or
-one FMA a row and input over 16 or 8 outputs) and scale the float32 sums afterwards, so their cost
-grows slowly with the rows. Their results are float32 sums of the exact weights and do not depend
-on the other rows of the batch.
+thread: 8 ms at 1 row, 45 at 16), `_weight_int8pack_mm` runs a batch row by row, and no library
+on PyPI has a faster one for these CPUs (torchao's DA8W4 kernel is not in its wheel and quantizes
+activations; docs/benchmarks.md). These unpack each group of 32 weights once per call into small
+integers, multiply every row with them (up to 16 rows in one AMX instruction, one dot product a
+row and input pair over 16 outputs, or one FMA a row and input over 16 or 8 outputs) and scale
+the float32 sums afterwards, so their cost grows slowly with the rows. Their results are float32
+sums of the exact weights and do not depend on the other rows of the batch.
 
 A kernel's shared library is compiled with gcc (or `$CC`) into the cache
 (`$XDG_CACHE_HOME/rstar-pipelines/kernels`, named by a hash of the source and the flags) and
@@ -79,6 +80,19 @@ def pack_pairs(q: torch.Tensor) -> torch.Tensor:
     return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
 
 
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """The AVX kernel's layout of int8 weights `q` ([out, in] in -127..127; out a multiple of 16,
+    in of 32): int8 [out / 16, in / 32, 16, 2, 16], q[16 block + o, 32 group + 2 t + p] at
+    [block, group, t, p, o]."""
+    out_features, in_features = q.shape
+    return (
+        q.to(torch.int8)
+        .view(out_features // BLOCK, BLOCK, in_features // GROUP, GROUP // 2, 2)
+        .permute(0, 2, 3, 4, 1)
+        .contiguous()
+    )
+
+
 def pack_groups(values: torch.Tensor) -> torch.Tensor:
     """A per-group quantity ([out, in / 32]) in both kernels' layout: float32
     [out / 16, in / 32, 16]."""
@@ -86,10 +100,11 @@ def pack_groups(values: torch.Tensor) -> torch.Tensor:
     return values.float().view(out_features // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()
 
 
-class Int4Kernel:
-    """One compiled kernel: `mm(x, pack(q), pack_groups(scale), pack_groups(zero))`, float32
+class QuantizedKernel:
+    """One compiled kernel. int4: `mm(x, pack(q), pack_groups(scale), pack_groups(zero))`, float32
     [rows, out] = `x` ([rows, in], contiguous, of dtype `activations`) times the weights
-    `(q - 8) * scale + zero`."""
+    `(q - 8) * scale + zero`; int8: `mm(x, pack(q), scale)` (a float32 scale an output), times
+    `q * scale`."""
 
     def __init__(
         self,
@@ -99,8 +114,11 @@ class Int4Kernel:
         activations: torch.dtype,
         pack: Callable[[torch.Tensor], torch.Tensor],
         init: str | None = None,
+        weights: str = "int4",
     ):
-        self.name, self.flags = name, flags
+        self.name, self.flags, self.weights = name, flags, weights
+        self.label = f"{weights} {name}"
+        self.defines = ("-DINT8_WEIGHTS",) if weights == "int8" else ()
         # The CPU features the flags compile for, as Linux names them ("-mamx-bf16": amx_bf16).
         self.needs = frozenset(
             LINUX_NAMES.get(feature, feature)
@@ -111,10 +129,10 @@ class Int4Kernel:
         self.entry = f"{self.source.stem}_mm"
 
     def __repr__(self) -> str:
-        return f"Int4Kernel({self.name})"
+        return f"QuantizedKernel({self.label})"
 
     def _build(self, compiler: str) -> Path:
-        command = (compiler, *self.flags, *BUILD_FLAGS)
+        command = (compiler, *self.flags, *self.defines, *BUILD_FLAGS)
         digest = hashlib.sha256(self.source.read_bytes() + " ".join(command).encode())
         target = _cache_dir() / f"{self.source.stem}-{digest.hexdigest()[:16]}.so"
         if not target.exists():
@@ -139,23 +157,23 @@ class Int4Kernel:
             return None
         missing = self.needs - cpu_flags()
         if missing:
-            log.info("int4 %s kernel off: the CPU lacks %s", self.name, ", ".join(sorted(missing)))
+            log.info("%s kernel off: the CPU lacks %s", self.label, ", ".join(sorted(missing)))
             return None
         compiler = shutil.which(os.environ.get("CC", "gcc"))
         if compiler is None:
-            log.warning("int4 %s kernel off: no C compiler (gcc or $CC) to build it", self.name)
+            log.warning("%s kernel off: no C compiler (gcc or $CC) to build it", self.label)
             return None
         try:
             path = self._build(compiler)
         except subprocess.CalledProcessError as error:
             log.warning(
-                "int4 %s kernel off: %s failed to build it:\n%s", self.name, compiler, error.stderr
+                "%s kernel off: %s failed to build it:\n%s", self.label, compiler, error.stderr
             )
             return None
         library = ctypes.CDLL(str(path))
         if self.init is not None and getattr(library, self.init)() != 0:
             log.warning(
-                "int4 %s kernel off: Linux did not grant the process AMX's tile state", self.name
+                "%s kernel off: Linux did not grant the process AMX's tile state", self.label
             )
             return None
         function = getattr(library, self.entry)
@@ -168,18 +186,24 @@ class Int4Kernel:
         return self.library() is not None
 
     def mm(
-        self, x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None = None,
     ) -> torch.Tensor:
         library = self.library()
         if library is None:
-            raise RuntimeError(f"the int4 {self.name} kernel is not available on this machine")
+            raise RuntimeError(f"the {self.label} kernel is not available on this machine")
         rows, in_features = x.shape
         blocks, groups = packed.shape[:2]
         if x.dtype != self.activations or not x.is_contiguous() or in_features != groups * GROUP:
             raise ValueError(
-                f"int4 {self.name} kernel: x must be contiguous {self.activations} "
+                f"{self.label} kernel: x must be contiguous {self.activations} "
                 f"[rows, {groups * GROUP}], not {x.dtype} {tuple(x.shape)}"
             )
+        if (zero is None) != (self.weights == "int8"):
+            raise ValueError(f"{self.label} kernel: int4 weights take a zero, int8 weights none")
         out = torch.empty(rows, blocks * BLOCK)
         status = getattr(library, self.entry)(
             x.data_ptr(),
@@ -188,15 +212,15 @@ class Int4Kernel:
             blocks * BLOCK,
             packed.data_ptr(),
             scale.data_ptr(),
-            zero.data_ptr(),
+            None if zero is None else zero.data_ptr(),
             out.data_ptr(),
         )
         if status != 0:
-            raise MemoryError(f"int4 {self.name} kernel: no memory for the scratch of {rows} rows")
+            raise MemoryError(f"{self.label} kernel: no memory for the scratch of {rows} rows")
         return out
 
 
-AMX = Int4Kernel(
+AMX = QuantizedKernel(
     "AMX",
     "int4_cpu.c",
     ("-mavx512f", "-mavx512bw", "-mamx-tile", "-mamx-bf16"),
@@ -204,18 +228,27 @@ AMX = Int4Kernel(
     pack_amx,
     init="int4_cpu_init",
 )
-# The same source with AVX512-BF16's dot products over bfloat16 activations (two inputs an
+# One source with AVX512-BF16's dot products over bfloat16 activations (two inputs an
 # instruction), or with FMAs in 16 float32 lanes or in 8, whose activations are bfloat16 values in
-# float32 (exact), read without converting.
-AVX512_BF16 = Int4Kernel(
-    "AVX512-BF16", "int4_avx.c", ("-mavx512f", "-mavx512bf16", "-mfma"), torch.bfloat16, pack_pairs
+# float32 (exact), read without converting. Its int8 build runs only with the dot products: the
+# FMA builds' crossovers for int8 were not measured on the CPUs that run them.
+AVX512_BF16, INT8_AVX512_BF16 = (
+    QuantizedKernel(
+        "AVX512-BF16",
+        "quantized_avx.c",
+        ("-mavx512f", "-mavx512bf16", "-mfma"),
+        torch.bfloat16,
+        pack,
+        weights=weights,
+    )
+    for weights, pack in (("int4", pack_pairs), ("int8", pack_int8))
 )
 AVX512, AVX2 = (
-    Int4Kernel(name, "int4_avx.c", flags, torch.float32, pack_pairs)
+    QuantizedKernel(name, "quantized_avx.c", flags, torch.float32, pack_pairs)
     for name, flags in (("AVX-512", ("-mavx512f", "-mfma")), ("AVX2", ("-mavx2", "-mfma")))
 )
 
 
-def avx_kernel() -> Int4Kernel | None:
+def avx_kernel() -> QuantizedKernel | None:
     """The widest AVX FMA kernel that runs here, if any."""
     return next((kernel for kernel in (AVX512, AVX2) if kernel.available()), None)
