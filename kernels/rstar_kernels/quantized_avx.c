@@ -51,8 +51,8 @@ typedef __m512i ivec;
 #define to_floats _mm512_cvtepi32_ps
 #define vadd _mm512_add_ps
 #define vmul _mm512_mul_ps
-#define low_nibble(v) _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)))
-#define high_nibble(v) _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4))
+#define low_nibble(v) to_floats(_mm512_and_si512(v, _mm512_set1_epi32(15)))
+#define high_nibble(v) to_floats(_mm512_srli_epi32(v, 4))
 #else
 /* Two vectors a block; four rows at once: their 8 sums, 2 weights and a broadcast fit AVX2's 16
  * registers. */
@@ -73,8 +73,8 @@ typedef __m256i ivec;
 #define to_floats _mm256_cvtepi32_ps
 #define vadd _mm256_add_ps
 #define vmul _mm256_mul_ps
-#define low_nibble(v) _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)))
-#define high_nibble(v) _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4))
+#define low_nibble(v) to_floats(_mm256_and_si256(v, _mm256_set1_epi32(15)))
+#define high_nibble(v) to_floats(_mm256_srli_epi32(v, 4))
 #endif
 #define VECS (BLOCK / LANES) /* vectors a block */
 
