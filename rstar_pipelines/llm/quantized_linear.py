@@ -74,9 +74,10 @@ FLOAT32_MATMUL_ROWS = 12
 # 93 / 99. AVX2 (the same Xeon, MKL and torch held to AVX2), two threads, at 4 / 16 / 32 rows 16 /
 # 38 / 65 against torch's 16 / 52 / 100 and the matmul's 49 / 53 / 79; one thread at 48: 158 against
 # 284 and 186. AVX512-BF16, which runs where the matmul is bfloat16 but there is no AMX (Zen 4),
-# streaming as above, two threads, at 4 / 6 / 16 / 32 / 48 / 64 / 96 rows: 11 / 13 / 21 / 38 / 44 /
-# 69 / 76 against torch's 10 / 17 / 36 / 59 / 73 / 108 / 163 and the matmul's 26 / 30 / 39 / 54 / 56
-# / 80 / 84 (docs/benchmarks.md).
+# streaming as above, two threads, at 4 / 6 / 16 / 32 / 48 / 64 / 96 rows: 10.7 / 13.1 / 24.9 / 42.6
+# / 52.8 / 53.1 / 97.6 against torch's 14.0 / 15.9 / 32.3 / 51.8 / 72.7 / 97.6 / 143.7 and the
+# matmul's 34.6 / 30.7 / 42.3 / 51.7 / 64.8 / 63.7 / 89.4 (one run; others had ours ahead at 96, and
+# torch's ahead below 4; docs/benchmarks.md).
 INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX512-BF16": (5, 64), "AVX-512": (5, 32), "AVX2": (4, 48)}
 # Where int8 layers run a kernel of ours (AVX512-BF16 without AMX), it takes over from torch's
 # row-by-row kernel from the first of these rows and keeps ahead of the bfloat16 matmul below the
