@@ -91,6 +91,15 @@ def pass_ms(layers: list[QuantizedLinear], rows: int, kernel_rows: int, repeats:
     return statistics.median(times[1:]) * 1e3
 
 
+def pins(layer: QuantizedLinear, torch_kernel: str) -> dict[str, int]:
+    """Each kernel `layer` runs, by name, and the rows that pin it: torch's packed kernel, the
+    matmul, and ours where one runs here."""
+    kernels = {torch_kernel: 1, f"{matmul_dtype()} matmul": layer.gemm_rows}
+    if layer.kernel is not None:
+        kernels[layer.kernel.name] = layer.kernel_rows
+    return kernels
+
+
 def streaming(repeats: int) -> None:
     """The --streaming table: 30 distinct int4 decoder layers and the int8 LM head."""
     head = Int8Linear(torch.nn.Linear(HIDDEN, VOCAB, bias=False))
@@ -99,13 +108,7 @@ def streaming(repeats: int) -> None:
         for _ in range(LAYERS)
         for i, o in LAYER_SHAPES
     ]
-    ours = layers[0].kernel
-    kernels = {"torch's int4pack": 1, f"{matmul_dtype()} matmul": layers[0].gemm_rows}
-    if ours is not None:
-        kernels[ours.name] = layers[0].kernel_rows
-    head_kernels = {"torch's int8pack": 1, f"{matmul_dtype()} matmul": head.gemm_rows}
-    if head.kernel is not None:
-        head_kernels[head.kernel.name] = head.kernel_rows
+    head_kernels, kernels = pins(head, "torch's int8pack"), pins(layers[0], "torch's int4pack")
     print(
         "| rows | "
         + " | ".join(

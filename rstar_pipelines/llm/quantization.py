@@ -17,17 +17,16 @@ model generation" and "int4 weights").
   bfloat16 rounding of each scale and zero); torch's `aten._weight_int4pack_mm_for_cpu` runs them
   for few rows, a kernel of ours (`rstar_kernels.quantized_cpu`, where one runs) from 4-5 rows, the
   matmul from `INT4_KERNEL_ROWS`' second figure (32 where none of ours runs) and for a prompt's
-  prefill. The LM head,
-  which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer whose shape the int4
-  kernel does not take, are int8 as above. Half the bytes of int8 per step, and closer to float32 on
-  the embedded model (teacher-forced KL 0.0017 against int8's 0.0034). A checkpoint trained from the
-  embedded model keeps the embedded model's grid (`quantize`'s `grid`): its weights round to the
-  base's groups, so what training left alone decodes exactly as the base does and only weights an
-  update moved by half a step change. Fitted afresh, every group whose minimum or maximum moved
-  would land on a new grid: after the demo's one SFT step that changed the decoded value of 6.7% of
-  the decoder weights, by 68 times the norm of the update itself (int8, whose rows are fitted
-  afresh: 0.2% of the weights, 21 times), so that comparing a checkpoint with its base would have
-  measured the rounding.
+  prefill. The LM head, which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer
+  whose shape the int4 kernel does not take, are int8 as above. Half the bytes of int8 per step, and
+  closer to float32 on the embedded model (teacher-forced KL 0.0017 against int8's 0.0034). A
+  checkpoint trained from the embedded model keeps the embedded model's grid (`quantize`'s `grid`):
+  its weights round to the base's groups, so what training left alone decodes exactly as the base
+  does and only weights an update moved by half a step change. Fitted afresh, every group whose
+  minimum or maximum moved would land on a new grid: after the demo's one SFT step that changed the
+  decoded value of 6.7% of the decoder weights, by 68 times the norm of the update itself (int8,
+  whose rows are fitted afresh: 0.2% of the weights, 21 times), so that comparing a checkpoint with
+  its base would have measured the rounding.
 
 Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
 - torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the

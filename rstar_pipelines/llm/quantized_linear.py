@@ -25,20 +25,20 @@ the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` fo
   of the bfloat16 matmul (the LM head at 48 rows: 8 ms against 12, two threads). All compute the
   same products of bfloat16 activations and the int8 values with float32 sums; torch's kernel and
   the bfloat16 matmul round the sums to bfloat16 (ours and the float32 matmul do not).
-- `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the
-  layout of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder
-  layers ship in: fitted to each group's minimum and maximum, the groups land on the file's own
-  grid, up to the bfloat16 rounding of the scale and zero the kernel reads. Torch's
-  `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again
-  for every few rows. The kernels of `rstar_kernels.quantized_cpu` unpack them once a call: on a CPU
-  with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to
-  the matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
-  kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand
-  over to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX (AMD Zen 4), the AVX-512
-  kernel of bfloat16 dot products, from 5 rows up to 64, where torch's kernel handed over to the
-  bfloat16 matmul at 32. Torch's kernel and the bfloat16 matmul differ from the exact
-  weights' float32 sums by bfloat16 roundings (of the sums, of the weights); our kernels and the
-  float32 matmul compute those sums.
+- `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the layout
+  of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder layers ship
+  in: fitted to each group's minimum and maximum, the groups land on the file's own grid, up to the
+  bfloat16 rounding of the scale and zero the kernel reads. Torch's
+  `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again for
+  every few rows. The kernels of `rstar_kernels.quantized_cpu` unpack them once a call: on a CPU
+  with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to the
+  matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
+  kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand over
+  to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX (AMD Zen 4), the AVX-512 kernel
+  of bfloat16 dot products, from 5 rows up to 64, where torch's kernel handed over to the bfloat16
+  matmul at 32. Torch's kernel and the bfloat16 matmul differ from the exact weights' float32 sums
+  by bfloat16 roundings (of the sums, of the weights); our kernels and the float32 matmul compute
+  those sums.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX512-BF16": (5, 64), "AVX-512": (5, 32), 
 # bfloat16 matmul's 4.3 / 5.8 / 6.0 / 12.0 / 20.7 (docs/benchmarks.md); not measured past 96.
 INT8_KERNEL_ROWS = {"AVX512-BF16": (1, 97)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
-INT4_ROWS_MULTIPLE = 16  # the int4 kernel packs output rows in sixteens
+INT4_ROWS_MULTIPLE = 16  # the packed kernels pack output rows in sixteens
 
 
 @functools.cache
@@ -119,6 +119,15 @@ class QuantizedLinear(torch.nn.Module):
     """What the quantized layers share: the shapes, the bias, and the choice of kernel."""
 
     gemm_rows = GEMM_ROWS
+
+    @staticmethod
+    def fits(linear: torch.nn.Linear) -> bool:
+        """Whether the layer's shape fits the packed kernels' blocks: inputs in groups of
+        `INT4_GROUP`, outputs in `INT4_ROWS_MULTIPLE`s (int4 layers take only such layers; an int8
+        layer of another shape keeps torch's kernels)."""
+        return (
+            linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_ROWS_MULTIPLE == 0
+        )
 
     def __init__(self, linear: torch.nn.Linear):
         super().__init__()
@@ -181,11 +190,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scale_float", scale.float(), persistent=False)
         # A kernel of our own, where one runs and the layer's shape fits its blocks, and its copy
         # of the same integers.
-        fits = (
-            self.in_features % quantized_cpu.GROUP == 0
-            and self.out_features % quantized_cpu.BLOCK == 0
-        )
-        self.kernel = int8_kernel() if fits else None
+        self.kernel = int8_kernel() if self.fits(linear) else None
         if self.kernel is not None:
             self.kernel_rows, self.gemm_rows = INT8_KERNEL_ROWS[self.kernel.name]
             self.register_buffer("weight_packed", self.kernel.pack(rounded), persistent=False)
@@ -215,12 +220,6 @@ class Int4Linear(QuantizedLinear):
     from it: the weights round to that grid, and those past its ends take its ends."""
 
     gemm_rows = INT4_GEMM_ROWS
-
-    @staticmethod
-    def fits(linear: torch.nn.Linear) -> bool:
-        return (
-            linear.in_features % INT4_GROUP == 0 and linear.out_features % INT4_ROWS_MULTIPLE == 0
-        )
 
     def __init__(self, linear: torch.nn.Linear, grid: torch.Tensor | None = None):
         if not self.fits(linear):
@@ -258,8 +257,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer(
             "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
         )
-        # A kernel of our own, where one runs (AMX; else, where the matmul is float32 because
-        # the CPU has no native bfloat16, AVX-512 or AVX2), and its copy of the same integers,
+        # A kernel of our own, where one runs (`int4_kernel`), and its copy of the same integers,
         # scales and zeros (float32 from bfloat16: the same grid).
         self.kernel = int4_kernel()
         if self.kernel is not None:
