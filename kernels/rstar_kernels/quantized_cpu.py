@@ -14,43 +14,21 @@ row and input pair over 16 outputs, or one FMA a row and input over 16 or 8 outp
 the float32 sums afterwards, so their cost grows slowly with the rows. Their results are float32
 sums of the exact weights and do not depend on the other rows of the batch.
 
-A kernel's shared library is compiled with gcc (or `$CC`) into the cache
-(`$XDG_CACHE_HOME/rstar-pipelines/kernels`, named by a hash of the source and the flags) and
-loaded with ctypes; OpenMP comes from the libgomp torch has loaded, so the kernel's threads are
-torch's. A kernel's `available()` is False, and callers keep torch's kernel, where the CPU lacks
-its instructions, Linux does not grant AMX's tile state, or there is no compiler.
+A kernel is built on first use (module `c_library`); where it cannot run (the CPU lacks its
+instructions, Linux does not grant AMX's tile state, no compiler) callers keep torch's kernel.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-from rstar_kernels.cpu_features import cpu_flags
-
-log = logging.getLogger(__name__)
+from rstar_kernels.c_library import CLibrary
 
 GROUP = 32  # inputs per scale and zero
 BLOCK = 16  # outputs a group's unpacked weights cover (an AMX tile's columns)
-BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
-# Where Linux's name of a CPU feature is not gcc's flag for it.
-LINUX_NAMES = {"avx512bf16": "avx512_bf16"}
-
-
-def _cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "rstar-pipelines" / "kernels"
 
 
 def pack_amx(q: torch.Tensor) -> torch.Tensor:
@@ -100,7 +78,7 @@ def pack_groups(values: torch.Tensor) -> torch.Tensor:
     return values.float().view(out_features // BLOCK, BLOCK, groups).transpose(1, 2).contiguous()
 
 
-class QuantizedKernel:
+class QuantizedKernel(CLibrary):
     """One compiled kernel. int4: `mm(x, pack(q), pack_groups(scale), pack_groups(zero))`, float32
     [rows, out] = `x` ([rows, in], contiguous, of dtype `activations`) times the weights
     `(q - 8) * scale + zero`; int8: `mm(x, pack(q), scale)` (a float32 scale an output), times
@@ -116,74 +94,20 @@ class QuantizedKernel:
         init: str | None = None,
         weights: str = "int4",
     ):
-        self.name, self.flags, self.weights = name, flags, weights
-        self.label = f"{weights} {name}"
-        self.defines = ("-DINT8_WEIGHTS",) if weights == "int8" else ()
-        # The CPU features the flags compile for, as Linux names them ("-mamx-bf16": amx_bf16).
-        self.needs = frozenset(
-            LINUX_NAMES.get(feature, feature)
-            for feature in (flag.removeprefix("-m").replace("-", "_") for flag in flags)
+        super().__init__(
+            f"{weights} {name}",
+            source,
+            flags,
+            entry=f"{source.removesuffix('.c')}_mm",
+            argtypes=[ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4],
+            defines=("-DINT8_WEIGHTS",) if weights == "int8" else (),
+            init=init,
         )
-        self.source = Path(__file__).with_name(source)
-        self.activations, self.pack, self.init = activations, pack, init
-        self.entry = f"{self.source.stem}_mm"
+        self.name, self.weights = name, weights
+        self.activations, self.pack = activations, pack
 
     def __repr__(self) -> str:
         return f"QuantizedKernel({self.label})"
-
-    def _build(self, compiler: str) -> Path:
-        command = (compiler, *self.flags, *self.defines, *BUILD_FLAGS)
-        digest = hashlib.sha256(self.source.read_bytes() + " ".join(command).encode())
-        target = _cache_dir() / f"{self.source.stem}-{digest.hexdigest()[:16]}.so"
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            # Compiled beside the target and renamed onto it: processes building at once each
-            # write their own file and the rename is atomic.
-            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-                built = Path(scratch) / target.name
-                subprocess.run(
-                    [*command, str(self.source), "-o", str(built)],
-                    check=True,
-                    capture_output=True,
-                    text=True,
-                )
-                built.replace(target)
-        return target
-
-    @functools.cache  # noqa: B019 - one per kernel, module-level objects that live as long
-    def library(self) -> ctypes.CDLL | None:
-        """The loaded library, built on the first call; None where it cannot run (logged)."""
-        if platform.system() != "Linux" or platform.machine() != "x86_64":
-            return None
-        missing = self.needs - cpu_flags()
-        if missing:
-            log.info("%s kernel off: the CPU lacks %s", self.label, ", ".join(sorted(missing)))
-            return None
-        compiler = shutil.which(os.environ.get("CC", "gcc"))
-        if compiler is None:
-            log.warning("%s kernel off: no C compiler (gcc or $CC) to build it", self.label)
-            return None
-        try:
-            path = self._build(compiler)
-        except subprocess.CalledProcessError as error:
-            log.warning(
-                "%s kernel off: %s failed to build it:\n%s", self.label, compiler, error.stderr
-            )
-            return None
-        library = ctypes.CDLL(str(path))
-        if self.init is not None and getattr(library, self.init)() != 0:
-            log.warning(
-                "%s kernel off: Linux did not grant the process AMX's tile state", self.label
-            )
-            return None
-        function = getattr(library, self.entry)
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, *[ctypes.c_void_p] * 4]
-        return library
-
-    def available(self) -> bool:
-        """Whether `mm` runs here (built and loaded on the first call)."""
-        return self.library() is not None
 
     def mm(
         self,
@@ -192,9 +116,6 @@ class QuantizedKernel:
         scale: torch.Tensor,
         zero: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        library = self.library()
-        if library is None:
-            raise RuntimeError(f"the {self.label} kernel is not available on this machine")
         rows, in_features = x.shape
         blocks, groups = packed.shape[:2]
         if x.dtype != self.activations or not x.is_contiguous() or in_features != groups * GROUP:
@@ -205,7 +126,7 @@ class QuantizedKernel:
         if (zero is None) != (self.weights == "int8"):
             raise ValueError(f"{self.label} kernel: int4 weights take a zero, int8 weights none")
         out = torch.empty(rows, blocks * BLOCK)
-        status = getattr(library, self.entry)(
+        status = self.call(
             x.data_ptr(),
             rows,
             in_features,

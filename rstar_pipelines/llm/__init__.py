@@ -44,13 +44,15 @@ __all__ = [
 # bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512 or AVX2 kernel
 # (`rstar_kernels.quantized_cpu`). 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5
 # to 63 rows and int8 ones (the LM head) of 1 to 96 through the AVX-512 bfloat16 dot-product kernel
-# (`rstar_kernels.quantized_cpu`).
-TRANSFORMERS_REVISION = 5
+# (`rstar_kernels.quantized_cpu`). 6: a call's prompts batched by length (a prompt's padding and rows
+# change); decode steps' attention through our kernel (`rstar_kernels.decode_attention_cpu`) on a
+# CPU with AVX-512.
+TRANSFORMERS_REVISION = 6
 
 
 def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
     """The transformers backend's id for `model` under `quantization` and SeerAttention-R
-    settings `seer`, which keys its cached completions: "transformers@5:embedded+int4"."""
+    settings `seer`, which keys its cached completions: "transformers@6:embedded+int4"."""
     name = f"transformers@{TRANSFORMERS_REVISION}:{model}{quantization_tag(quantization)}"
     return name + (seer.tag if seer else "")
 

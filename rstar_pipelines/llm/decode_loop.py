@@ -188,9 +188,10 @@ class RowSeeds:
                 generators.append(torch.Generator().manual_seed(row_seed))
         return cls(generators)
 
-    def rows(self, first: int, count: int) -> RowSeeds:
-        """The streams of rows first .. first + count - 1, as rows 0 .. count - 1."""
-        return RowSeeds(self._generators[first : first + count])
+    def prompts(self, indices: Sequence[int], copies: int) -> RowSeeds:
+        """The streams of the copies of the call's prompts `indices`, in that order (prompt
+        indices[k]'s copy j as row k * copies + j)."""
+        return RowSeeds([self._generators[i * copies + j] for i in indices for j in range(copies)])
 
     def draw(self, rows: Sequence[int]) -> torch.Tensor:
         """The next uniform of each of `rows` (indices into the call's rows, in batch order)."""

@@ -11,10 +11,11 @@ What to know about its behaviour:
   4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
   the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
   weights, the default otherwise. The scheme is part of the name, and so is the backend's
-  revision (`transformers@5:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
+  revision (`transformers@6:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
   one scheme, or of older code, are never taken for another's.
-- Prompts run `batch_size` at a time (default 16), left-padded; rows leave a batch as they end,
-  so a wide batch costs little once most of its rows are done. Leading tokens that all prompts of
+- Prompts run `batch_size` at a time (default 16), shortest first, left-padded to the longest
+  of their batch; rows leave a batch as they end, so a wide batch costs little once most of its
+  rows are done. Leading tokens that all prompts of
   a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's
   tokens but the last) run once, and only from where the model's stored prefixes stop: each
   batch's shared prefix is kept for later calls (module `prefix_cache`, 512 MiB a model), so an
@@ -239,11 +240,17 @@ class TransformersLLM:
         training = self._model.training
         self._model.eval()  # no dropout while sampling, whatever a trainer left it in
         try:
-            results: list[list[Completion]] = []
-            for start in range(0, len(token_ids), self.batch_size):
-                batch = token_ids[start : start + self.batch_size]
-                rows = seeds.rows(start * params.n, len(batch) * params.n) if seeds else None
-                results.extend(self._generate_batch(batch, params, rows))
+            # Batches of prompts of similar lengths: a batch is left-padded to its longest prompt,
+            # and every row of it computes (and attends over) the padding.
+            order = sorted(range(len(token_ids)), key=lambda i: len(token_ids[i]))
+            results: list[list[Completion]] = [[] for _ in token_ids]
+            for start in range(0, len(order), self.batch_size):
+                indices = order[start : start + self.batch_size]
+                batch = [token_ids[i] for i in indices]
+                rows = seeds.prompts(indices, params.n) if seeds else None
+                completions = self._generate_batch(batch, params, rows)
+                for i, prompt_completions in zip(indices, completions, strict=True):
+                    results[i] = prompt_completions
         finally:
             self._model.train(training)
         return results

@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from rstar_kernels import quantized_cpu
+from rstar_kernels import c_library, quantized_cpu
 
 ALL_KERNELS = (
     quantized_cpu.AMX,
@@ -133,10 +133,10 @@ def test_without_a_compiler_the_kernel_stays_off_and_says_why(
     kernel, monkeypatch, tmp_path, caplog
 ):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.setattr(quantized_cpu, "cpu_flags", lambda: set(kernel.needs))
+    monkeypatch.setattr(c_library, "cpu_flags", lambda: set(kernel.needs))
     kernel.library.cache_clear()
     try:
-        with caplog.at_level(logging.INFO, logger=quantized_cpu.__name__):
+        with caplog.at_level(logging.INFO, logger=c_library.__name__):
             monkeypatch.setenv("CC", "false")  # a compiler that always fails
             assert not kernel.available()
             assert f"{kernel.label} kernel off: " in caplog.text
@@ -146,7 +146,7 @@ def test_without_a_compiler_the_kernel_stays_off_and_says_why(
             assert not kernel.available()
             assert "no C compiler" in caplog.text
             kernel.library.cache_clear()
-            monkeypatch.setattr(quantized_cpu, "cpu_flags", lambda: {"sse2"})
+            monkeypatch.setattr(c_library, "cpu_flags", lambda: {"sse2"})
             assert not kernel.available()
             lacks = ", ".join(sorted(kernel.needs))
             assert f"{kernel.label} kernel off: the CPU lacks {lacks}" in caplog.text

@@ -119,6 +119,33 @@ def test_batched_greedy_equals_one_by_one(embedded_fp32_llm):
     assert batched == one_by_one
 
 
+def test_a_calls_prompts_are_batched_by_length_and_answered_in_its_order(embedded_fp32_llm):
+    # Eight prompts, long and short in turn, for batches of 4: the four shortest prefill
+    # together, padded to the longest of them, not to the call's longest. float32, as above:
+    # the answers are each prompt's alone.
+    llm = embedded_fp32_llm
+    prompts = [
+        PROMPTS[2], "2, 4, 6,", SAY_HI, "The sun is", PROMPTS[2] + " fox", PROMPTS[0],
+        "Once upon a time, in a castle by the sea, a", PROMPTS[1],
+    ]  # fmt: skip
+    lengths = [len(llm._encode(i, p)) for i, p in enumerate(prompts)]
+    widths = []
+    hook = llm._model.register_forward_hook(
+        lambda _, args, kwargs, out: widths.append(kwargs["input_ids"].shape),
+        with_kwargs=True,
+    )
+    params = GREEDY.model_copy(update={"max_tokens": 4})
+    try:
+        batched = llm.generate(prompts, params)
+    finally:
+        hook.remove()
+    prefills = [shape for shape in widths if shape[1] > 1]
+    assert [tuple(s) for s in prefills] == [
+        (4, sorted(lengths)[3]), (4, max(lengths))
+    ]  # fmt: skip
+    assert batched == [llm.generate([prompt], params)[0] for prompt in prompts]
+
+
 def test_stop_string_is_looked_for_in_generated_text_only():
     _, tokenizer = load_model_and_tokenizer("embedded")
     prompt = tokenizer("Hello\n")["input_ids"]

@@ -1,0 +1,124 @@
+"""Kernels of our own in C, built with the machine's C compiler on first use and loaded with
+ctypes (the quantized matmuls of `quantized_cpu`, the decode attention of
+`decode_attention_cpu`).
+
+A library is compiled with gcc (or `$CC`) into the cache (`$XDG_CACHE_HOME/rstar-pipelines/
+kernels`, named by a hash of the source and the command), so a changed source or flag gets a
+library of its own. OpenMP comes from the libgomp torch has loaded, so a kernel's threads are
+torch's. `library()` is None, and callers keep torch's kernels, where the CPU lacks the
+instructions the flags compile for, where an `init` function refuses (Linux not granting AMX's
+tile state), or where there is no compiler; each logs why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rstar_kernels.cpu_features import cpu_flags
+
+log = logging.getLogger(__name__)
+
+BUILD_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+# Where Linux's name of a CPU feature is not gcc's flag for it.
+LINUX_NAMES = {"avx512bf16": "avx512_bf16"}
+
+
+def _cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "rstar-pipelines" / "kernels"
+
+
+class CLibrary:
+    """One C source built with `flags` (and `defines`), whose function `entry` returns an int
+    status and takes `argtypes`."""
+
+    def __init__(
+        self,
+        label: str,
+        source: str,
+        flags: tuple[str, ...],
+        entry: str,
+        argtypes: Sequence[Any],
+        defines: tuple[str, ...] = (),
+        init: str | None = None,
+    ):
+        self.label, self.flags, self.defines, self.init = label, flags, defines, init
+        self.entry, self.argtypes = entry, list(argtypes)
+        self.source = Path(__file__).with_name(source)
+        # The CPU features the flags compile for, as Linux names them ("-mamx-bf16": amx_bf16).
+        self.needs = frozenset(
+            LINUX_NAMES.get(feature, feature)
+            for feature in (flag.removeprefix("-m").replace("-", "_") for flag in flags)
+        )
+
+    def _build(self, compiler: str) -> Path:
+        command = (compiler, *self.flags, *self.defines, *BUILD_FLAGS)
+        digest = hashlib.sha256(self.source.read_bytes() + " ".join(command).encode())
+        target = _cache_dir() / f"{self.source.stem}-{digest.hexdigest()[:16]}.so"
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            # Compiled beside the target and renamed onto it: processes building at once each
+            # write their own file and the rename is atomic.
+            with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+                built = Path(scratch) / target.name
+                subprocess.run(
+                    [*command, str(self.source), "-o", str(built)],
+                    check=True,
+                    capture_output=True,
+                    text=True,
+                )
+                built.replace(target)
+        return target
+
+    @functools.cache  # noqa: B019 - one per kernel, module-level objects that live as long
+    def library(self) -> ctypes.CDLL | None:
+        """The loaded library, built on the first call; None where it cannot run (logged)."""
+        if platform.system() != "Linux" or platform.machine() != "x86_64":
+            return None
+        missing = self.needs - cpu_flags()
+        if missing:
+            log.info("%s kernel off: the CPU lacks %s", self.label, ", ".join(sorted(missing)))
+            return None
+        compiler = shutil.which(os.environ.get("CC", "gcc"))
+        if compiler is None:
+            log.warning("%s kernel off: no C compiler (gcc or $CC) to build it", self.label)
+            return None
+        try:
+            path = self._build(compiler)
+        except subprocess.CalledProcessError as error:
+            log.warning(
+                "%s kernel off: %s failed to build it:\n%s", self.label, compiler, error.stderr
+            )
+            return None
+        library = ctypes.CDLL(str(path))
+        if self.init is not None and getattr(library, self.init)() != 0:
+            log.warning(
+                "%s kernel off: Linux did not grant the process AMX's tile state", self.label
+            )
+            return None
+        function = getattr(library, self.entry)
+        function.restype = ctypes.c_int
+        function.argtypes = self.argtypes
+        return library
+
+    def available(self) -> bool:
+        """Whether the kernel runs here (built and loaded on the first call)."""
+        return self.library() is not None
+
+    def call(self, *args: Any) -> int:
+        """The entry's status for `args`; RuntimeError where the kernel cannot run here."""
+        library = self.library()
+        if library is None:
+            raise RuntimeError(f"the {self.label} kernel is not available on this machine")
+        return getattr(library, self.entry)(*args)
