@@ -44,9 +44,9 @@ __all__ = [
 # bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512 or AVX2 kernel
 # (`rstar_kernels.quantized_cpu`). 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5
 # to 63 rows and int8 ones (the LM head) of 1 to 96 through the AVX-512 bfloat16 dot-product kernel
-# (`rstar_kernels.quantized_cpu`). 6: a call's prompts batched by length (a prompt's padding and rows
-# change); decode steps' attention through our kernel (`rstar_kernels.decode_attention_cpu`) on a
-# CPU with AVX-512.
+# (`rstar_kernels.quantized_cpu`). 6: a call's prompts batched by length (a prompt's padding and
+# rows change); decode steps' attention through our kernel (`rstar_kernels.decode_attention_cpu`)
+# on a CPU with AVX-512.
 TRANSFORMERS_REVISION = 6
 
 

@@ -14,8 +14,8 @@ both of which return the log-sum-exp.
 
 `cascade_attention_forward` is registered with transformers' AttentionInterface as
 `ATTENTION_NAME`; a model switched to it (`use_cascade_attention`) attends as SDPA does for any
-cache that shares nothing, and reads the shared part of the cache handed as the
-`CACHE_KWARG` keyword of its forward (`model_inputs`).
+cache that shares nothing (its decode steps through the same kernel of ours), and reads the
+shared part of the cache handed as the `CACHE_KWARG` keyword of its forward (`model_inputs`).
 """
 
 from __future__ import annotations
@@ -74,13 +74,18 @@ def cascade_attention_forward(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention function: SDPA where the layer's cache shares nothing, else
-    attention over the shared part and the own part (`key`, `value`), merged."""
+    """transformers' attention function: where the layer's cache shares nothing, SDPA (a decode
+    step through our kernel where it takes it), else attention over the shared part and the own
+    part (`key`, `value`), merged."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cache = kwargs.pop(CACHE_KWARG, None)
     layer = cache.layers[module.layer_idx] if cache is not None else None
     if getattr(layer, "shared_keys", None) is None:
+        if query.shape[2] == 1 and not dropout:
+            out = _decode_step(query, key, value, attention_mask, scaling)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -96,6 +101,22 @@ def cascade_attention_forward(
     weight = torch.sigmoid(shared_lse - own_lse).unsqueeze(-1)
     out = torch.lerp(own_out, shared_out, weight)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_step(query, key, value, mask, scaling) -> torch.Tensor | None:
+    """A decode step's attention over a cache that shares nothing (every row its own prompt),
+    through our kernel as the own part's: [rows, 1, heads, dim] as SDPA returns it, or None
+    where the kernel does not take the inputs."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    if mask is not None and mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype).masked_fill_(~mask, float("-inf"))
+    scale = scaling if scaling is not None else dim**-0.5
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)
+    ours = decode_attention(grouped, key, value, mask, scale)
+    if ours is None:
+        return None
+    return ours[0].reshape(rows, heads, 1, dim).transpose(1, 2).contiguous()
 
 
 @dataclass(frozen=True)

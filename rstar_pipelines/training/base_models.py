@@ -2,29 +2,29 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
-from rstar_pipelines.llm.embedded import trainable_copy
 from rstar_pipelines.math.steps import TAGS
 
 
 def load_trainable(model: str) -> tuple[Any, Any]:
     """A float32 causal LM that can be trained and `save_pretrained`-ed, and its tokenizer.
 
-    `model` is "embedded", a .gguf path or a Hugging Face directory (or hub id). GGUF models come
-    through the LLM layer's loader and are copied (`trainable_copy`), as is their tokenizer: the
-    loader caches both for generation, and training must not change what it serves.
+    `model` is "embedded", a .gguf path or a Hugging Face directory (or hub id). A GGUF model is
+    read from its converted directory in the model cache (`llm.gguf.converted_dir`: the float32
+    weights transformers dequantized, which the LLM layer's loader reads too), as a model of its
+    own: the loader's copy serves generation, and training must not change it. (Copying the
+    loader's model instead cost a training job about 5 s: a load, then a randomly initialized
+    model for the copy.)
     """
-    if model == "embedded" or model.endswith(".gguf"):
-        from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
-
-        loaded, tokenizer = load_model_and_tokenizer(model, device="cpu")
-        return trainable_copy(loaded), copy.deepcopy(tokenizer)
-
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if model == "embedded" or model.endswith(".gguf"):
+        from rstar_pipelines.llm.embedded import embedded_model_path
+        from rstar_pipelines.llm.gguf import converted_dir
+
+        model = str(converted_dir(embedded_model_path() if model == "embedded" else model))
     loaded = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     return loaded, AutoTokenizer.from_pretrained(model)
 

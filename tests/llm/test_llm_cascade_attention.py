@@ -7,12 +7,13 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from rstar_kernels import decode_attention_cpu
 from rstar_pipelines.llm import cascade_attention
 from rstar_pipelines.llm.cascade_attention import CACHE_KWARG, cascade_attention_forward
 from rstar_pipelines.llm.kv_cache import preallocated_cache
 from rstar_pipelines.llm.types import SamplingParams
 
-HEADS, KV_HEADS, DIM = 6, 2, 8
+HEADS, KV_HEADS, DIM = 6, 2, 64  # a head of 64: our decode kernel takes it
 
 
 class Attention(torch.nn.Module):
@@ -114,6 +115,31 @@ def test_a_cache_that_shares_nothing_gets_sdpa():
     got, _ = cascade_attention_forward(module, query, keys, values, None, scaling=0.3)
     want, _ = sdpa_attention_forward(module, query, keys, values, None, scaling=0.3)
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not decode_attention_cpu.KERNEL.available(), reason="needs AVX-512")
+def test_a_decode_step_over_a_cache_that_shares_nothing_equals_sdpa(monkeypatch):
+    # One query a row over its own keys, the first row left-padded (a boolean mask, as
+    # transformers makes it): our kernel, which SDPA's result must match.
+    calls = []
+
+    def counted(*args):
+        out = decode_attention_cpu.decode_attention(*args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(cascade_attention, "decode_attention", counted)
+    module = Attention()
+    query, keys, values = (
+        random(2, n, length, DIM, seed=s)
+        for s, n, length in ((17, HEADS, 1), (18, KV_HEADS, 9), (19, KV_HEADS, 9))
+    )
+    mask = torch.ones(2, 1, 1, 9, dtype=torch.bool)
+    mask[0, ..., :4] = False
+    got, _ = cascade_attention_forward(module, query, keys, values, mask, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, query, keys, values, mask, scaling=0.3)
+    assert calls == [True]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_sampled_completions_are_the_same_with_sdpa(embedded_fp32_llm, monkeypatch):

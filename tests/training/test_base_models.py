@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 from rstar_pipelines.math.steps import TAGS
 from rstar_pipelines.training.base_models import add_tags, load_trainable
 
@@ -12,6 +13,12 @@ def test_embedded_gguf_becomes_a_savable_float32_model(embedded_tokenizer, tmp_p
     model, tokenizer = load_trainable("embedded")
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert not hasattr(model.config, "quantization_config")
+    # The weights the LLM layer generates with unquantized, in tensors of the model's own.
+    served, _ = load_model_and_tokenizer("embedded", device="cpu", quantization="none")
+    ours, theirs = model.state_dict(), served.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, theirs[name]) and tensor.data_ptr() != theirs[name].data_ptr()
     add_tags(model, tokenizer)
     assert len(tokenizer) == len(embedded_tokenizer) + len(TAGS)
     # The LLM layer's cached tokenizer, which generation uses, is not changed.
