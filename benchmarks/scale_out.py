@@ -12,7 +12,7 @@ service through haproxy against the in-process pool.
     python benchmarks/scale_out.py [--repeats 3] [--seeds 6]
 
 Needs postgresql, redis-server and haproxy (Debian), as the tests do. Prints Markdown for
-docs/benchmarks.md. Other sessions share this machine: the load average is printed with
+docs/benchmarks.md. Other work may share the machine: the load average is printed with
 every repeat.
 """
 

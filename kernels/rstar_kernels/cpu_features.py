@@ -7,10 +7,8 @@ import functools
 from pathlib import Path
 
 # Features with which oneDNN multiplies bfloat16 natively (AVX512-BF16's dot products, AMX's
-# tiles). Without them its bfloat16 matmul emulates them and is 3-4 times slower than float32's
-# (an AVX2 EPYC, 30 decoder layers at 16 rows, one thread: 388 ms against 98), and under
-# bfloat16 autocast the demo's training jobs took 6-14 times as long there as on an AMX machine
-# (docs/benchmarks.md).
+# tiles). Without them its bfloat16 matmul emulates them and is several times slower than
+# float32's, in inference and under bfloat16 autocast in training alike (docs/benchmarks.md).
 BFLOAT16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 

@@ -3,9 +3,9 @@
 
    Why: torch's CPU flash-attention kernel tiles for long query blocks; at a decode step's few
    queries (cascade attention stacks a group's rows: 3 samples x 3 query heads a key/value head)
-   it runs at 25-30 GFLOP/s with the keys in the cache and 7-12 GB/s from memory, where the
-   machine streams 30 (docs/benchmarks.md). Here each key and value row is read once for all
-   the task's queries, from memory straight into the dot products.
+   it reads the keys well below the machine's memory bandwidth (docs/benchmarks.md). Here each
+   key and value row is read once for all the task's queries, from memory straight into the dot
+   products.
 
    Per task (b, h): scores s[i][j] = scale * <q_i, k_j> + mask[b][j] into a scratch row of the
    thread's, their maximum, p = exp(s - max) and its sum, then out_i = sum_j p_ij v_j / sum and

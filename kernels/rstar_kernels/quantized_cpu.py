@@ -5,14 +5,14 @@ natively without AMX (AMD Zen 4, Intel Cooper Lake) or with AVX-512 or AVX2 FMAs
 native bfloat16.
 
 Why kernels of our own: torch's `_weight_int4pack_mm_for_cpu` unpacks the weights again for
-every few rows, so its cost grows with the rows (30 decoder layers of the embedded model, one
-thread: 8 ms at 1 row, 45 at 16), `_weight_int8pack_mm` runs a batch row by row, and no library
-on PyPI has a faster one for these CPUs (torchao's DA8W4 kernel is not in its wheel and quantizes
-activations; docs/benchmarks.md). These unpack each group of 32 weights once per call into small
-integers, multiply every row with them (up to 16 rows in one AMX instruction, one dot product a
-row and input pair over 16 outputs, or one FMA a row and input over 16 or 8 outputs) and scale
-the float32 sums afterwards, so their cost grows slowly with the rows. Their results are float32
-sums of the exact weights and do not depend on the other rows of the batch.
+every few rows, so its cost grows with the rows, `_weight_int8pack_mm` runs a batch row by row,
+and no library on PyPI has a faster one for these CPUs (torchao's DA8W4 kernel is not in its
+wheel and quantizes activations; docs/benchmarks.md). These unpack each group of 32 weights once
+per call into small integers, multiply every row with them (up to 16 rows in one AMX
+instruction, one dot product a row and input pair over 16 outputs, or one FMA a row and input
+over 16 or 8 outputs) and scale the float32 sums afterwards, so their cost grows slowly with the
+rows. Their results are float32 sums of the exact weights and do not depend on the other rows of
+the batch.
 
 A kernel is built on first use (module `c_library`); where it cannot run (the CPU lacks its
 instructions, Linux does not grant AMX's tile state, no compiler) callers keep torch's kernel.

@@ -1,9 +1,9 @@
 """Cascade attention on the CPU: the rows that share a prompt read its keys and values once.
 
 n samples of a prompt (candidate solutions: 3, an MCTS expansion: 4) each held a copy of the
-prompt's keys and values, and every decode step read all n copies: at 16 prompts x 3 samples
-over 300-token prompts attention was half of a step of the embedded model, and reading the
-cache is most of its cost (docs/benchmarks.md). With a cache whose repeated rows share what
+prompt's keys and values, and every decode step read all n copies: with prompts of hundreds of
+tokens attention is a large share of a small model's decode step, and reading the cache is most
+of its cost (docs/benchmarks.md). With a cache whose repeated rows share what
 they came from (`kv_cache.PreallocatedLayer`, `share_repeats`), a layer's attention runs in two
 parts: the rows of each group stacked as the queries of one attention over the group's shared
 keys, and each row over its own (the tokens it generated), the two merged by their

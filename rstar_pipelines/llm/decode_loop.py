@@ -1,23 +1,21 @@
 """The transformers backend's decode loop, in which a row that finishes leaves the batch.
 
-`generate()` runs every row of a batch until the last one ends, the finished ones included:
-with sampled completions of spread-out lengths (a demo call of 24 rows ended between 10 and 192
-tokens) about 40% of the rows' steps were spent on rows already done. On a CPU a step's cost
-falls steeply with the rows in it (the embedded model, int8: about 190 ms at 24 rows, 40 ms at
-4; docs/benchmarks.md), so `decode` drops finished rows from the batch, the key/value cache
-and the attention mask, and the batch gets faster as it empties. Dropping copies the kept rows'
-cache, so it waits until a quarter of the batch is done (a few copies per call, each cheaper
-than the steps it saves).
+`generate()` runs every row of a batch until the last one ends, the finished ones included: with
+sampled completions of spread-out lengths many of the rows' steps are spent on rows already
+done. On a CPU a step's cost falls steeply with the rows in it (docs/benchmarks.md), so `decode`
+drops finished rows from the batch, the key/value cache and the attention mask, and the batch
+gets faster as it empties. Dropping copies the kept rows' cache, so it waits until a quarter of
+the batch is done (a few copies per call, each cheaper than the steps it saves).
 
 It does what `generate()` does for a plain causal LM and nothing else: the model's own logits
-processors (`generation_config`: repetition penalty, top-k, ...) and sampling, one token per
-row per step, positions counted per row from its first valid token, left padding masked.
+processors (`generation_config`: repetition penalty, top-k, ...) and sampling, one token per row
+per step, positions counted per row from its first valid token, left padding masked.
 `TokenPicker` samples from the distribution `generate()`'s temperature, top-k and top-p warpers
 give, over the top-k candidates alone where `generate()` sorts and draws over the whole
-vocabulary: for 24 rows of the embedded model's 49,152 tokens that sort and draw took 125 ms a
-step, more than a third of the step. Each row draws from its own random stream (`RowSeeds`),
-so dropping rows, or batching a prompt with others, changes no row's samples. Rows are kept
-where per-row state lives outside the cache (SeerAttention-R's compressed keys,
+vocabulary: over tens of thousands of tokens that sort and draw costs a small model on a CPU a
+large share of each decode step. Each row draws from its own random stream (`RowSeeds`), so
+dropping rows, or batching a prompt with others, changes no row's samples. Rows are kept where
+per-row state lives outside the cache (SeerAttention-R's compressed keys,
 `drop_finished=False`): they run on, their tokens ignored, as in `generate()`.
 
 `StopStrings` looks for stop strings in each row's generated text; `generate()`'s fallback

@@ -28,20 +28,20 @@ model generation" and "int4 weights").
   whose rows are fitted afresh: 0.2% of the weights, 21 times), so that comparing a checkpoint with
   its base would have measured the rounding.
 
-Why this kernel, measured on this x86 CPU with torch 2.13 and torchao 0.18 from PyPI:
+Why this kernel (measured with torch 2.13 and torchao 0.18 from PyPI; docs/benchmarks.md):
 - torch's dynamic int8 quantization (FBGEMM, `torch.ao.quantization.quantize_dynamic`) is the
   fastest, but it quantizes activations with one scale per call: the embedded model's massive
   activations (inputs to down_proj reach about 3300) and left padding set that scale, and
   teacher-forced KL against float32 was 1.5 per token (top-1 agreement 0.57); one scale per row
   still gave 0.20 (0.83). Weight-only int8 gives 0.006 (0.97).
-- torchao's eager CPU paths were slower than float32 here: its int8 weight-only linear
+- torchao's eager CPU paths were slower than float32: its int8 weight-only linear
   dequantizes the whole weight on every call, its dynamic int8 path likewise (pytorch/ao#4365),
   its int4 CPU path runs a kernel 10-100x slower than float32 at 16 rows, and its DA8W4 kernel
   is not in the PyPI wheel.
 - `_weight_int8pack_mm` is fast only with bfloat16 (or CUDA) activations: its float32 and
   float16 CPU paths are unvectorized, hence the cast. So is `_weight_int4pack_mm_for_cpu`'s,
-  which torchao's int4 CPU layout calls: 788 us for one row of a 576 x 1536 layer with float32
-  activations, 33 us with bfloat16 ones (session of 2026-12-02).
+  which torchao's int4 CPU layout calls: with float32 activations it is over twenty times slower
+  than with bfloat16 ones.
 
 Settings need no torch: the Dagster resource validates and names them without loading it.
 """

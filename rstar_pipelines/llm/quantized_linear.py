@@ -12,33 +12,32 @@ only the packed bytes. A forward of one token a row (a decode step) picks by its
 from `gemm_rows` on. A decode call pins one kernel for all its steps (`kernel_for_batch`), so rows
 that leave the batch change no other row's numbers. A forward of several tokens a row (a prefill)
 always takes the matmul, pinned or not: its rows are tokens, hundreds for one prompt, and the packed
-kernels' cost grows with them (1,280 rows through the 30 int4 decoder layers: 1.57 s against the
-matmul's 0.23), and whatever the batch, a prompt's cache is the same. Activations are rounded to
-bfloat16 in both kernels and never quantized, so under one kernel a row's result does not depend on
-the other rows of its batch (the float32 matmul pads to `FLOAT32_MATMUL_ROWS` for that).
+kernels' cost grows with them far faster than the matmul's, and whatever the batch, a prompt's cache
+is the same. Activations are rounded to bfloat16 in both kernels and never quantized, so under one
+kernel a row's result does not depend on the other rows of its batch (the float32 matmul pads to
+`FLOAT32_MATMUL_ROWS` for that).
 
 - `Int8Linear`: int8 weights, one scale per output row (symmetric, absmax / 127);
-  `aten._weight_int8pack_mm` runs a batch row by row (the LM head: 5.4 ms at 1 row, 37 at 16,
-  86 at 48, one thread), so the matmul takes over from 8 rows (12 where it is float32). On a CPU
-  with AVX512-BF16 but no AMX, the int8 build of our AVX-512 dot-product kernel runs instead from
-  1 row up to 96 (`INT8_KERNEL_ROWS`): it unpacks the weights once a call and reads half the bytes
-  of the bfloat16 matmul (the LM head at 48 rows: 8 ms against 12, two threads). All compute the
-  same products of bfloat16 activations and the int8 values with float32 sums; torch's kernel and
-  the bfloat16 matmul round the sums to bfloat16 (ours and the float32 matmul do not).
+  `aten._weight_int8pack_mm` runs a batch row by row, so its cost grows with every row and the
+  matmul takes over from 8 rows (12 where it is float32). On a CPU with AVX512-BF16 but no AMX, the
+  int8 build of our AVX-512 dot-product kernel runs instead from 1 row up to 96
+  (`INT8_KERNEL_ROWS`): it unpacks the weights once a call and reads half the bytes of the bfloat16
+  matmul. All compute the same products of bfloat16 activations and the int8 values with float32
+  sums; torch's kernel and the bfloat16 matmul round the sums to bfloat16 (ours and the float32
+  matmul do not).
 - `Int4Linear`: 4-bit weights in groups of 32 inputs, one scale and one zero per group, the layout
   of GGUF's Q4_1 (`w = scale * q + min`, q in 0..15), which the embedded model's decoder layers ship
   in: fitted to each group's minimum and maximum, the groups land on the file's own grid, up to the
   bfloat16 rounding of the scale and zero the kernel reads. Torch's
   `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again for
   every few rows. The kernels of `rstar_kernels.quantized_cpu` unpack them once a call: on a CPU
-  with AMX, from 4 rows (at 16 rows of a 576 x 1536 layer: 138 us against 560, one thread) up to the
-  matmul's 48; on a CPU without native bfloat16, whose matmul is float32, the AVX-512 or AVX2
-  kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's kernel alone would hand over
-  to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX (AMD Zen 4), the AVX-512 kernel
-  of bfloat16 dot products, from 5 rows up to 64, where torch's kernel handed over to the bfloat16
-  matmul at 32. Torch's kernel and the bfloat16 matmul differ from the exact weights' float32 sums
-  by bfloat16 roundings (of the sums, of the weights); our kernels and the float32 matmul compute
-  those sums.
+  with AMX, from 4 rows up to the matmul's 48; on a CPU without native bfloat16, whose matmul is
+  float32, the AVX-512 or AVX2 kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's
+  kernel alone would hand over to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX
+  (AMD Zen 4), the AVX-512 kernel of bfloat16 dot products, from 5 rows up to 64, where torch's
+  kernel handed over to the bfloat16 matmul at 32. Torch's kernel and the bfloat16 matmul differ
+  from the exact weights' float32 sums by bfloat16 roundings (of the sums, of the weights); our
+  kernels and the float32 matmul compute those sums.
 """
 
 from __future__ import annotations
@@ -63,27 +62,17 @@ FLOAT32_GEMM_ROWS = 12
 FLOAT32_MATMUL_ROWS = 12
 # The kernels of `rstar_kernels.quantized_cpu`, where one runs, take over from torch's int4 kernel
 # from the first of these rows and keep ahead of the matmul up to the second (for AVX512-BF16, 64:
-# past the 48 rows of the demo's candidate_solutions steps). AMX (a 576 x 1536 layer, one thread, 1
-# / 4 / 16 rows: 119 / 115 / 138 us against torch's 87 / 158 / 560; with the weights in the cache,
-# 24 / 32 rows: 222 / 282 us against the bfloat16 matmul's 388 / 414, 48: 514 against 473). AVX-512
-# and AVX2, which run where the matmul is float32, measured on the 30 decoder layers with their
-# weights streaming from memory as in the model (ms; this project's processes run torch on both
-# CPUs): AVX-512 at 4 / 16 / 24 / 32 rows, two threads, 12 / 32 / 44 / 57 against the matmul's 41 /
-# 43 / 48 / 53 (torch's int4 kernel, which scales better over two threads of this machine, about as
-# ours); one thread, 20 / 38 / 51 / 63 against torch's 18 / 62 / 86 / 108 and the matmul's 91 / 80 /
-# 93 / 99. AVX2 (the same Xeon, MKL and torch held to AVX2), two threads, at 4 / 16 / 32 rows 16 /
-# 38 / 65 against torch's 16 / 52 / 100 and the matmul's 49 / 53 / 79; one thread at 48: 158 against
-# 284 and 186. AVX512-BF16, which runs where the matmul is bfloat16 but there is no AMX (Zen 4),
-# streaming as above, two threads, at 4 / 6 / 16 / 32 / 48 / 64 / 96 rows: 10.7 / 13.1 / 24.9 / 42.6
-# / 52.8 / 53.1 / 97.6 against torch's 14.0 / 15.9 / 32.3 / 51.8 / 72.7 / 97.6 / 143.7 and the
-# matmul's 34.6 / 30.7 / 42.3 / 51.7 / 64.8 / 63.7 / 89.4 (one run; others had ours ahead at 96, and
-# torch's ahead below 4; docs/benchmarks.md).
+# past the 48 rows of the demo's candidate_solutions steps): the crossovers of each build measured
+# by `benchmarks/quantized_kernels.py` on the 30 decoder layers, their weights streaming from
+# memory as in the model (docs/benchmarks.md has the figures). Torch's kernel unpacks the weights
+# again for every few rows, ours once a call, so below the first figure torch's is as fast and
+# from it on ours pulls ahead; the matmul's cost barely grows with the rows and overtakes ours at
+# the second.
 INT4_KERNEL_ROWS = {"AMX": (4, 48), "AVX512-BF16": (5, 64), "AVX-512": (5, 32), "AVX2": (4, 48)}
 # Where int8 layers run a kernel of ours (AVX512-BF16 without AMX), it takes over from torch's
 # row-by-row kernel from the first of these rows and keeps ahead of the bfloat16 matmul below the
-# second: on the LM head (49,152 x 576), weights streaming, two threads, at 1 / 8 / 16 / 48 / 96
-# rows 1.3 / 2.6 / 3.5 / 8.1 / 17.4 ms against torch's 2.3 / 6.2 / 11.7 / 37.0 / 73.8 and the
-# bfloat16 matmul's 4.3 / 5.8 / 6.0 / 12.0 / 20.7 (docs/benchmarks.md); not measured past 96.
+# second, as measured on the LM head (49,152 x 576) with its weights streaming (docs/benchmarks.md);
+# not measured past 96.
 INT8_KERNEL_ROWS = {"AVX512-BF16": (1, 97)}
 INT4_GROUP = 32  # inputs per scale and zero: Q4_1's block
 INT4_ROWS_MULTIPLE = 16  # the packed kernels pack output rows in sixteens
@@ -92,8 +81,8 @@ INT4_ROWS_MULTIPLE = 16  # the packed kernels pack output rows in sixteens
 @functools.cache
 def matmul_dtype() -> torch.dtype:
     """The dtype of the matmul's weights and activations: bfloat16 where the CPU multiplies it
-    natively, else float32 (over weights dequantized once, the same values; emulated, bfloat16's
-    matmul is 3-4 times slower than float32's, a prefill of 1,280 tokens 30 s against 3.6)."""
+    natively, else float32 (over weights dequantized once, the same values): emulated, bfloat16's
+    matmul is several times slower than float32's (docs/benchmarks.md)."""
     return torch.bfloat16 if cpu_features.native_bfloat16() else torch.float32
 
 

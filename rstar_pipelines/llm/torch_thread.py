@@ -2,12 +2,12 @@
 models and the PPM): loading them and every forward.
 
 Torch's CPU kernels run their parallel loops on OpenMP (libgomp), which keeps a team of threads
-per thread that starts parallel loops. While the process has more such threads than CPUs, libgomp
-throttles the spinning with which a team's threads wait for the next loop to almost nothing, and
-every parallel loop then waits for a sleeping thread to be woken. A model loaded on a Dagster
-step's thread and generating on the LLM batcher's worker thread (`types.GenerateBatcher`) made
-two teams: on two CPUs a bfloat16 matmul of 48 rows took 237 us instead of 133, an int4 matmul
-of 4 rows 111 instead of 49, and the demo's candidate-solution calls 111 s instead of 78
+per thread that starts parallel loops. While the process has more such threads than CPUs,
+libgomp throttles the spinning with which a team's threads wait for the next loop to almost
+nothing, and every parallel loop then waits for a sleeping thread to be woken. A model loaded on
+a Dagster step's thread and generating on the LLM batcher's worker thread
+(`types.GenerateBatcher`) makes two teams, and on a machine with few CPUs every small matmul of
+a decode step then waits for a woken thread, which can cost as much as the matmul itself
 (docs/benchmarks.md). Work handed to `run` goes to one long-lived thread, whoever asks, so
 whatever thread calls `generate` the process has one team doing the models' work.
 
