@@ -127,9 +127,9 @@ def demo() -> None:
     """Materialize the whole declared graph for the demo seed batch."""
     for name, value in QUIET_PROGRESS_BARS.items():
         os.environ.setdefault(name, value)
+    from rstar_pipelines import progress
     from rstar_pipelines.definitions import defs, load_spec
     from rstar_pipelines.materialize import materialize_graph
-    from rstar_pipelines.pipeline import progress
 
     os.environ.setdefault("DAGSTER_HOME", str(Path(".dagster_home").resolve()))
     demo_file = settings.assets_dir() / "seeds" / "demo" / f"{DEMO_BATCH}.jsonl"

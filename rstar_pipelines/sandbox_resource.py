@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import dagster as dg
 from pydantic import Field, PrivateAttr
 
-from rstar_pipelines.pipeline.progress import CountingSandbox
+from rstar_pipelines import progress
 
 
 class SandboxResource(dg.ConfigurableResource):
@@ -65,7 +66,7 @@ class SandboxResource(dg.ConfigurableResource):
                     preload=tuple(self.preload),
                 )
             sandbox.start()
-            # Its jobs go to the running step's progress (pipeline/progress.py).
+            # Its jobs go to the running step's progress (progress.py).
             self._sandbox = CountingSandbox(sandbox)
         return self._sandbox
 
@@ -73,3 +74,18 @@ class SandboxResource(dg.ConfigurableResource):
         if self._sandbox is not None:
             self._sandbox.close()
             self._sandbox = None
+
+
+class CountingSandbox:
+    """A sandbox that reports the jobs of each `run` call to the running step's progress."""
+
+    def __init__(self, sandbox: Any):
+        self._sandbox = sandbox
+
+    def run(self, jobs: Any, *args: Any, **kwargs: Any) -> Any:
+        results = self._sandbox.run(jobs, *args, **kwargs)
+        progress.count(sandbox_jobs=len(results))
+        return results
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sandbox, name)

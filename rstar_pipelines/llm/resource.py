@@ -24,9 +24,8 @@ from typing import Any
 import dagster as dg
 from pydantic import PrivateAttr
 
-from rstar_pipelines.pipeline.progress import CountingLLM
-
 from . import LLM, SamplingParams, load_llm, transformers_model_id
+from .counting import CountingLLM
 from .quantization import default_device, resolve_quantization
 from .sparse import SeerSettings
 
@@ -86,7 +85,7 @@ class LLMResource(dg.ConfigurableResource):
         backend, model = key
         if key not in self._clients:
             llm = load_llm(backend, model, **self._options(backend, model))
-            # Completions and tokens go to the running step's progress (pipeline/progress.py).
+            # Completions and tokens go to the running step's progress (progress.py).
             self._clients[key] = CountingLLM(llm)
         return self._clients[key]
 

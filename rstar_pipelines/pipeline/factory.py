@@ -16,9 +16,9 @@ from typing import Any
 import dagster as dg
 import pyarrow as pa
 
+from rstar_pipelines import progress
 from rstar_pipelines.deployment import run_out_of_process, step_tags
 from rstar_pipelines.partitions import PARTITIONINGS
-from rstar_pipelines.pipeline import progress
 from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, TypeVar
 
-from rstar_pipelines.pipeline import progress
+from rstar_pipelines import progress
 from rstar_pipelines.pipeline.cache_store import open_store
 
 T = TypeVar("T")

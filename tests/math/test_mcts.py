@@ -359,7 +359,7 @@ def test_only_a_policy_whose_engine_serves_each_request_walks_early(sandbox):
     # Through the in-process batcher every per-sample request would be a batch of one row with
     # its own prefill: an in-process policy keeps whole expansions, also behind the stages'
     # progress counter (which has `submit` for any LLM); a fleet's walks early behind it too.
-    from rstar_pipelines.pipeline.progress import CountingLLM
+    from rstar_pipelines.llm.counting import CountingLLM
 
     config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
     script = padded({**SCRIPT, "": [A, B, F]}, 3)

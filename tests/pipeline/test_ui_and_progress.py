@@ -11,9 +11,8 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from rstar_pipelines import settings
+from rstar_pipelines import progress, settings
 from rstar_pipelines.definitions import build_definitions
-from rstar_pipelines.pipeline import progress
 from rstar_pipelines.pipeline.factory import rounded
 from rstar_pipelines.pipeline.spec import load_pipeline
 from rstar_pipelines.pipeline.stage import (

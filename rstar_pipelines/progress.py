@@ -2,7 +2,8 @@
 
 One small hook for every stage: the asset factory opens a `step` around each stage run,
 the item cache opens a `track`ed task over the items it has to compute, and the LLM and
-sandbox resources `count` what they did (completions and tokens, sandbox jobs). The step
+sandbox resources `count` what they did (completions and tokens, sandbox jobs: the counting
+wrappers are `llm.counting.CountingLLM` and `sandbox_resource.CountingSandbox`). The step
 logs its progress at INFO every 10% (so the run's page in the UI shows it), and a
 console, when one is installed (`rstar demo`), prints one line per asset as it starts
 and ends and draws a bar with rates and the time left. Nothing here knows Dagster.
@@ -170,59 +171,6 @@ def count(**amounts: int) -> None:
             _step.task.counts.update(amounts)
             if _console is not None:
                 _console.task(_step.task)
-
-
-class CountingLLM:
-    """An LLM that reports the completions and tokens of each `generate` call, and of each
-    submitted prompt as it is answered."""
-
-    def __init__(self, llm: Any):
-        self._llm = llm
-
-    def generate(self, prompts: Any, params: Any) -> Any:
-        outputs = self._llm.generate(prompts, params)
-        _count_completions([c for out in outputs for c in out])
-        return outputs
-
-    def submit(self, prompts: Any, params: Any) -> Any:
-        from rstar_pipelines.llm.types import submit
-
-        futures = submit(self._llm, prompts, params)
-        for future in futures:
-            future.add_done_callback(_count_answered)
-        return futures
-
-    @property
-    def wrapped(self) -> Any:
-        """The LLM whose calls this one counts."""
-        return self._llm
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._llm, name)
-
-
-def _count_completions(completions: list) -> None:
-    count(completions=len(completions), tokens=sum(c.completion_tokens for c in completions))
-
-
-def _count_answered(future: Any) -> None:
-    if not future.cancelled() and future.exception() is None:
-        _count_completions(future.result())
-
-
-class CountingSandbox:
-    """A sandbox that reports the jobs of each `run` call."""
-
-    def __init__(self, sandbox: Any):
-        self._sandbox = sandbox
-
-    def run(self, jobs: Any, *args: Any, **kwargs: Any) -> Any:
-        results = self._sandbox.run(jobs, *args, **kwargs)
-        count(sandbox_jobs=len(results))
-        return results
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._sandbox, name)
 
 
 class Console:
