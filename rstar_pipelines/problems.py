@@ -1,5 +1,6 @@
-"""The problems the pipeline learns from and is judged on: the held-out split, declared once
-(`heldout:` in pipeline.yaml), and the verified problems of the verification chain's tables.
+"""The problems the pipeline learns from and is judged on: either side of the held-out split
+(`heldout.HeldoutSplit`, declared once as `heldout:` in pipeline.yaml), and the verified problems
+of the verification chain's tables.
 
 The split is by seed. A seed problem and every problem synthesized from it fall on the same side,
 so a paraphrase of an evaluation problem can never be trained on. Every stage that trains or
@@ -9,32 +10,16 @@ evaluates selects its problems here; every training table proves with the blocki
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
 
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.stage import CheckOutcome, CheckSpec, rows_of
 
 LEAK_EXAMPLES = 10
-
-
-class HeldoutSplit(BaseModel):
-    """A fixed split by seed id: a seed is held out when the hash of the salt and its id falls
-    below `fraction`. Changing the salt or the fraction draws another split (and marks every
-    asset that reads it stale)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    fraction: float = Field(0.2, ge=0, lt=1, description="share of seeds kept for evaluation")
-    salt: str = Field("rstar-heldout-1", min_length=1, description="names this draw of the split")
-
-    def is_heldout(self, seed_id: str) -> bool:
-        digest = hashlib.sha256(f"{self.salt}\x00{seed_id}".encode()).hexdigest()
-        return int(digest[:8], 16) / 16**8 < self.fraction
 
 
 @dataclass(frozen=True)

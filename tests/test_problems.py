@@ -10,9 +10,10 @@ import pytest
 
 from rstar_pipelines import settings
 from rstar_pipelines.definitions import build_definitions, load_spec
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.math import search_stages
 from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
-from rstar_pipelines.problems import HeldoutSplit, no_heldout_check
+from rstar_pipelines.problems import no_heldout_check
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from rstar_sandbox import Sandbox

@@ -12,6 +12,7 @@ from pydantic import Field
 from rstar_pipelines.agent.format import agent_prompt, final_answer
 from rstar_pipelines.agent.reward import AgentProblem, rewards
 from rstar_pipelines.agent.rollout import RolloutConfig, Trajectory, run_rollouts
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
@@ -23,7 +24,6 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
 )
 from rstar_pipelines.problems import (
-    HeldoutSplit,
     VerifiedProblem,
     first_of_each_domain,
     on_side,

@@ -19,6 +19,7 @@ from pydantic import Field
 from rstar_pipelines.dser.evolve import ChainState, DSERProblem, Judge, extract_answer
 from rstar_pipelines.dser.stages import dser_prompts, mean
 from rstar_pipelines.dser.vote import vote
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.llm import SamplingParams
 from rstar_pipelines.llm.coroutines import Window
 from rstar_pipelines.llm.types import stream
@@ -33,7 +34,7 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
     rows_of,
 )
-from rstar_pipelines.problems import HeldoutSplit, verified_problems
+from rstar_pipelines.problems import verified_problems
 from rstar_pipelines.storage import schemas
 
 Key = tuple[str, str]  # (batch, problem id)

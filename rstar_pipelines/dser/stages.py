@@ -25,6 +25,7 @@ from rstar_pipelines.dser.markov import (
     observed_accuracy,
     transition_counts,
 )
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import line_plot, markdown_table
@@ -36,7 +37,6 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
 )
 from rstar_pipelines.problems import (
-    HeldoutSplit,
     VerifiedProblem,
     first_of_each_domain,
     on_side,

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 import pyarrow as pa
 from pydantic import Field
 
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, Tree
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import assistant_text
@@ -28,7 +29,6 @@ from rstar_pipelines.pipeline.stage import (
 )
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
-    HeldoutSplit,
     VerifiedProblem,
     no_heldout_check,
     on_side,

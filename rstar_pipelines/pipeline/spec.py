@@ -15,9 +15,9 @@ import pyarrow as pa
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.pipeline.stage import Stage
-from rstar_pipelines.problems import HeldoutSplit
 
 PARTITIONINGS = ("seed_batches", "none")
 AssetKeyStr = Field(pattern=r"^[a-z][a-z0-9_]*$")

@@ -17,11 +17,11 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.agent.format import agent_prompt
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.plots import line_plot
 from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, StageResult
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
-    HeldoutSplit,
     first_of_each_domain,
     no_heldout_check,
     on_side,

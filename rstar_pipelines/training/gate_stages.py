@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 from pydantic import Field
 
 from rstar_pipelines import settings
+from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.llm import torch_thread, transformers_model_id
 from rstar_pipelines.llm.quantization import default_device, resolve_quantization
 from rstar_pipelines.pipeline.item_cache import fingerprint
@@ -28,7 +29,6 @@ from rstar_pipelines.pipeline.stage import (
 )
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
-    HeldoutSplit,
     no_heldout_check,
     seeds_of,
     verified_problems,
