@@ -5,9 +5,9 @@
 Why: cascade attention (`rstar_pipelines.llm.cascade_attention`) stacks a group's rows as the
 queries of one attention over the keys they share (3 samples x 3 query heads a key/value head
 at candidate_solutions' decode steps); torch's flash kernel, tiled for long query blocks, reads
-those keys at a third of what the machine streams and was a quarter of the demo's generation
-time. This kernel reads each key and value row once for all the task's queries and is about
-twice as fast from memory (docs/benchmarks.md).
+those keys far below what the machine streams, and attention is a large share of a small
+model's decode step. This kernel reads each key and value row once for all the task's queries
+and is faster than torch's at every decode shape measured (docs/benchmarks.md).
 
 `decode_attention` returns None for inputs it does not take, and callers keep torch's kernel:
 another dtype, a head dimension other than 64 or 128, more than `MAX_QUERIES` queries a task

@@ -1,5 +1,5 @@
-"""Quantized weights for the transformers backend on a CPU (docs/benchmarks.md, "Embedded
-model generation" and "int4 weights").
+"""Quantized weights for the transformers backend on a CPU (docs/benchmarks.md, "Quantized
+kernels" and "Embedded model quality").
 
 - "none": the weights as loaded (float32 for the embedded GGUF model, which transformers
   dequantizes on load).
