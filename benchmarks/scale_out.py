@@ -71,7 +71,7 @@ def chain_run(profile: str, n_code: int, postgres: str | None, broker: str | Non
     if profile == "hosts":
         env.update(RSTAR_POSTGRES_URL=servers.new_database(postgres), RSTAR_CELERY_BROKER=broker)
         os.environ["RSTAR_POSTGRES_URL"] = env["RSTAR_POSTGRES_URL"]
-        init_instance(root / "home", "hosts", scripted_spec(), {})
+        init_instance(root / "home", "hosts", scripted_spec().pools(), {})
         for name, queues in (("gpuhost", "llm,gpu,sandbox"), ("cpuhost", "sandbox,dagster")):
             workers.append(servers.celery_worker(env, name, queues))
     else:

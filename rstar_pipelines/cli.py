@@ -222,7 +222,7 @@ def deploy_init(profile: str | None, max_runs: int | None, pools: dict[str, int]
         raise click.ClickException(f"{settings.POSTGRES_URL_ENV} is not set")
     try:
         limits = init_instance(
-            Path(os.environ["DAGSTER_HOME"]), profile, load_spec(), pools, max_runs
+            Path(os.environ["DAGSTER_HOME"]), profile, load_spec().pools(), pools, max_runs
         )
     except ValueError as err:
         raise click.ClickException(str(err)) from None
@@ -244,7 +244,7 @@ def deploy_render_k8s(out: Path, image: str, namespace: str) -> None:
     from rstar_pipelines.deployment.k8s import render_jobs
 
     out.mkdir(parents=True, exist_ok=True)
-    for name, body in render_jobs(load_spec(), image, namespace).items():
+    for name, body in render_jobs(load_spec().pools(), image, namespace).items():
         path = out / f"{name.replace(':', '-')}.yaml"
         path.write_text(yaml.safe_dump(body, sort_keys=False))
         click.echo(f"wrote {path}")

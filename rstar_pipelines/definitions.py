@@ -40,7 +40,7 @@ def build_definitions(spec: PipelineSpec) -> dg.Definitions:
             "sandbox": SandboxResource(),
         },
         # RSTAR_DEPLOYMENT: local (Dagster's default), hosts (Celery), k8s.
-        executor=deployment.executor(spec),
+        executor=deployment.executor(spec.pools()),
     )
 
 

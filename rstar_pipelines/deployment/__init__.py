@@ -17,11 +17,11 @@ The Dagster instance settings (storage, run queue, pool limits) are in
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import dagster as dg
 
 from rstar_pipelines import settings
-from rstar_pipelines.pipeline.spec import PipelineSpec
 
 # dagster_celery.tags.DAGSTER_CELERY_QUEUE_TAG (not imported: Celery loads slowly).
 CELERY_QUEUE_TAG = "dagster-celery/queue"
@@ -45,8 +45,9 @@ def celery_config() -> dict:
     }
 
 
-def executor(spec: PipelineSpec) -> dg.ExecutorDefinition | None:
-    """The profile's executor (None: Dagster's default, as `local` always had)."""
+def executor(pools: Mapping[str, str | None]) -> dg.ExecutorDefinition | None:
+    """The profile's executor (None: Dagster's default, as `local` always had), for the steps
+    of `pools` (each asset key -> its pool, `PipelineSpec.pools()`)."""
     profile = settings.deployment()
     if profile == "hosts":
         from dagster_celery import celery_executor
@@ -55,7 +56,7 @@ def executor(spec: PipelineSpec) -> dg.ExecutorDefinition | None:
     if profile == "k8s":
         from rstar_pipelines.deployment.k8s import step_executor
 
-        return step_executor(spec)
+        return step_executor(pools)
     return None
 
 

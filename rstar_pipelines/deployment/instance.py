@@ -15,8 +15,6 @@ from pathlib import Path
 import dagster as dg
 import yaml
 
-from rstar_pipelines.pipeline.spec import PipelineSpec
-
 TEMPLATES = Path(__file__).parent / "templates"
 # Defaults for `rstar deploy init`: one GPU job at a time; LLM and sandbox steps mostly
 # wait on servers, so several may run (size them to the servers: docs/scale-out.md).
@@ -36,13 +34,10 @@ def instance_yaml(profile: str, max_concurrent_runs: int | None = None) -> str:
     return yaml.safe_dump(config, sort_keys=False)
 
 
-def declared_pools(spec: PipelineSpec) -> set[str]:
-    return {a.decl.pool for a in spec.assets if a.decl.pool}
-
-
-def pool_limits(spec: PipelineSpec, overrides: Mapping[str, int]) -> dict[str, int]:
-    """A limit for every pool pipeline.yaml declares: the overrides, else the defaults."""
-    pools = declared_pools(spec)
+def pool_limits(declared: Mapping[str, str | None], overrides: Mapping[str, int]) -> dict[str, int]:
+    """A limit for every pool pipeline.yaml declares (`declared`: asset key -> pool): the
+    overrides, else the defaults."""
+    pools = {pool for pool in declared.values() if pool}
     unknown = set(overrides) - pools
     if unknown:
         raise ValueError(
@@ -66,15 +61,15 @@ def apply_pool_limits(instance: dg.DagsterInstance, limits: Mapping[str, int]) -
 def init_instance(
     home: Path,
     profile: str,
-    spec: PipelineSpec,
+    pools: Mapping[str, str | None],
     limits: Mapping[str, int],
     max_concurrent_runs: int | None = None,
 ) -> dict[str, int]:
     """Write `home`/dagster.yaml for the profile, create the instance's tables and set
-    the pool limits; returns the limits set."""
+    the limits of `pools` (asset key -> pool); returns the limits set."""
     home.mkdir(parents=True, exist_ok=True)
     (home / "dagster.yaml").write_text(instance_yaml(profile, max_concurrent_runs))
-    applied = pool_limits(spec, limits)
+    applied = pool_limits(pools, limits)
     with dg.DagsterInstance.from_config(str(home)) as instance:
         apply_pool_limits(instance, applied)
     return applied

@@ -9,13 +9,12 @@ hand and snapshot-tested (tests/scale_out/test_k8s.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import dagster as dg
 import yaml
-
-from rstar_pipelines.pipeline.spec import PipelineSpec
 
 IMAGE_ENV = "RSTAR_IMAGE"
 NAMESPACE_ENV = "RSTAR_K8S_NAMESPACE"
@@ -55,13 +54,13 @@ def pool_config(pool: str | None) -> dict[str, Any]:
     return POOL_K8S_CONFIG[pool]
 
 
-def per_step_config(spec: PipelineSpec) -> dict[str, dict[str, Any]]:
+def per_step_config(pools: Mapping[str, str | None]) -> dict[str, dict[str, Any]]:
     """k8s_job_executor's per_step_k8s_config: every declared asset's op (named like
     its key) gets the pod spec of its pool."""
-    return {asset.key: pool_config(asset.decl.pool) for asset in spec.assets}
+    return {key: pool_config(pool) for key, pool in pools.items()}
 
 
-def step_executor(spec: PipelineSpec) -> dg.ExecutorDefinition:
+def step_executor(pools: Mapping[str, str | None]) -> dg.ExecutorDefinition:
     from dagster_k8s import k8s_job_executor
 
     return k8s_job_executor.configured(
@@ -69,7 +68,7 @@ def step_executor(spec: PipelineSpec) -> dg.ExecutorDefinition:
             "job_image": {"env": IMAGE_ENV},
             "job_namespace": {"env": NAMESPACE_ENV},
             "step_k8s_config": pool_config(None),
-            "per_step_k8s_config": per_step_config(spec),
+            "per_step_k8s_config": per_step_config(pools),
         },
         name="k8s",
     )
@@ -118,9 +117,10 @@ def run_training_pod(context: dg.AssetExecutionContext, command: list[str]) -> N
     )
 
 
-def render_jobs(spec: PipelineSpec, image: str, namespace: str) -> dict[str, Any]:
+def render_jobs(pools: Mapping[str, str | None], image: str, namespace: str) -> dict[str, Any]:
     """The Kubernetes objects the profile creates, as plain dicts: the run worker Job,
-    one step Job per pool (for its first asset), and a training pod."""
+    one step Job per pool of `pools` (asset key -> pool; for its first asset), and a
+    training pod."""
     import kubernetes
     from dagster_k8s.container_context import K8sContainerContext
     from dagster_k8s.job import (
@@ -162,8 +162,8 @@ def render_jobs(spec: PipelineSpec, image: str, namespace: str) -> dict[str, Any
         )
     }
     firsts: dict[str | None, str] = {}
-    for asset in spec.assets:
-        firsts.setdefault(asset.decl.pool, asset.key)
+    for key, pool in pools.items():
+        firsts.setdefault(pool, key)
     for pool, key in sorted(firsts.items(), key=lambda item: item[0] or ""):
         step = base.merge(
             K8sContainerContext(

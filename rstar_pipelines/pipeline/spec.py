@@ -134,6 +134,11 @@ class PipelineSpec:
         output = next(name for name, k in producer.decl.outputs.items() if k == key)
         return producer.stage_cls.secondary_outputs[output]
 
+    def pools(self) -> dict[str, str | None]:
+        """Each declared asset's key -> the pool its step runs in (None: no pool), what the
+        deployment profiles need of the graph."""
+        return {a.key: a.decl.pool for a in self.assets}
+
     def with_stage(self, stage_cls: type[Stage]) -> list[DeclaredAsset]:
         return [a for a in self.assets if a.stage_cls is stage_cls]
 

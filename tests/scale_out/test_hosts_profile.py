@@ -19,7 +19,7 @@ from tests.scale_out.scripted_defs import CHAIN, materialize, scripted_definitio
 from tests.scale_out.servers import celery_worker, new_database, stop
 
 BATCHES = ("t1", "t2")
-POOLS = {a.key: a.decl.pool for a in scripted_spec().assets}
+POOLS = scripted_spec().pools()
 
 
 def hosts_env(tmp_path: Path, postgres: str, broker: str) -> dict[str, str]:
@@ -93,7 +93,7 @@ def test_chain_runs_across_two_celery_workers(tmp_path, monkeypatch, postgres_ur
     env = hosts_env(tmp_path, new_database(postgres_url), redis_url)
     monkeypatch.setenv("RSTAR_POSTGRES_URL", env["RSTAR_POSTGRES_URL"])
     home, shared = Path(env["DAGSTER_HOME"]), Path(env["RSTAR_DATA_DIR"])
-    limits = init_instance(home, "hosts", scripted_spec(), {"sandbox": 1, "llm": 2})
+    limits = init_instance(home, "hosts", POOLS, {"sandbox": 1, "llm": 2})
     assert limits == {"gpu": 1, "llm": 2, "sandbox": 1}
     (shared / "seeds" / "incoming").mkdir(parents=True)
     for batch in BATCHES:

@@ -45,13 +45,13 @@ def test_unknown_profile_and_pool_are_named(monkeypatch):
     with pytest.raises(ValueError, match="RSTAR_DEPLOYMENT='cloud'"):
         build_definitions(load_spec())
     with pytest.raises(ValueError, match="no such pool"):
-        pool_limits(load_spec(), {"gpus": 2})
+        pool_limits(load_spec().pools(), {"gpus": 2})
 
 
 def test_pool_slots_are_freed_after_a_cancelled_run(postgres_url, tmp_path, monkeypatch):
     monkeypatch.setenv("RSTAR_POSTGRES_URL", new_database(postgres_url))
     home = tmp_path / "home"
-    assert init_instance(home, "hosts", load_spec(), {"gpu": 1}) == {
+    assert init_instance(home, "hosts", load_spec().pools(), {"gpu": 1}) == {
         "gpu": 1,
         "llm": 4,
         "sandbox": 4,
@@ -106,7 +106,7 @@ def test_k8s_job_specs_match_snapshot():
     """The Jobs and the training pod the k8s profile creates, rendered by dagster-k8s;
     regenerate with RSTAR_UPDATE_SNAPSHOTS=1 when a change is meant."""
     rendered = render_jobs(
-        load_spec(), image="registry.example/rstar-pipelines:1", namespace="rstar"
+        load_spec().pools(), image="registry.example/rstar-pipelines:1", namespace="rstar"
     )
     if os.environ.get("RSTAR_UPDATE_SNAPSHOTS"):
         SNAPSHOT.write_text(json.dumps(rendered, indent=2, sort_keys=True) + "\n")
