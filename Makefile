@@ -45,6 +45,7 @@ lint: $(VENV)/.installed-dev
 	$(BIN)/ruff format --check rstar_pipelines sandbox kernels benchmarks tests
 	# The import contract of pyproject's [tool.importlinter]: the layers point one way.
 	$(BIN)/lint-imports --no-cache
+	$(BIN)/python tests/check_narration.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

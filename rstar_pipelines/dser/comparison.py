@@ -272,7 +272,7 @@ def _by_problem(rows) -> dict[Key, dict]:
 
 
 def _evaluated(inputs: dict[str, pa.Table], name: str, policy: str) -> list[dict]:
-    """An evaluation's rows, all of the checkpoint this round trained (else they are stale)."""
+    """An evaluation's rows, all of this round's checkpoint (else they are stale)."""
     rows = rows_of(inputs[name])
     other = sorted({r["policy"] for r in rows} - {policy})
     if other:
