@@ -16,7 +16,8 @@ from collections.abc import Callable
 import pyarrow as pa
 from pydantic import Field
 
-from rstar_pipelines.dser.evolve import ChainState, DSERProblem, Judge, extract_answer
+from rstar_pipelines.dser.chain import ChainState
+from rstar_pipelines.dser.evolve import DSERProblem, Judge, extract_answer
 from rstar_pipelines.dser.stages import dser_prompts, mean
 from rstar_pipelines.dser.vote import vote
 from rstar_pipelines.heldout import HeldoutSplit

@@ -28,6 +28,7 @@ from rstar_pipelines.coder.verification import (
     passes_tests,
     run_programs,
 )
+from rstar_pipelines.dser.chain import ChainState
 from rstar_pipelines.dser.vote import last_states, vote
 from rstar_pipelines.llm.coroutines import Ask, Batch, Coroutine, Fork, run_coroutines
 from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
@@ -35,7 +36,6 @@ from rstar_pipelines.math.answers import equivalent, extract_boxed
 
 __all__ = [
     "DOMAINS",
-    "ChainState",
     "DSERConfig",
     "DSERProblem",
     "DSERPrompts",
@@ -95,28 +95,6 @@ class DSERProblem:
     answer: str | None = None
     inputs: tuple[str, ...] = ()
     labels: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class ChainState:
-    """Solution s_t of one chain.
-
-    `answer`: math, the last \\boxed{} content; code, the extracted program.
-    `verdict`: the model's verification of THIS solution (made in iteration t+1): True if it
-    passed (then s_{t+1} is the same solution), False if not or unparsable, None if never
-    verified (the last state). `correct`: the judge's grade (None without gold).
-    `signature`: code only, the program's outputs on the test inputs (None if it did not run
-    cleanly on all of them). `tokens`: completion tokens spent on this state, writing it (0
-    when kept from s_{t-1}) plus verifying it; a run's states add up to all its tokens.
-    """
-
-    iteration: int
-    text: str
-    answer: str | None
-    verdict: bool | None
-    correct: bool | None
-    tokens: int
-    signature: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from rstar_pipelines.dser.chain import ChainState
 from rstar_pipelines.math.answers import majority_answer
-
-if TYPE_CHECKING:
-    from rstar_pipelines.dser.evolve import ChainState
 
 __all__ = ["Vote", "last_states", "vote"]
 

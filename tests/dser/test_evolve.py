@@ -9,8 +9,8 @@ import random
 
 import pytest
 
+from rstar_pipelines.dser.chain import ChainState
 from rstar_pipelines.dser.evolve import (
-    ChainState,
     DSERConfig,
     DSERProblem,
     DSERPrompts,
