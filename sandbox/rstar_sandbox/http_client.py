@@ -28,8 +28,7 @@ from dataclasses import asdict, dataclass, replace
 
 import httpx
 
-from rstar_sandbox.jobs import Job, Result
-from rstar_sandbox.service import BATCH_ID_HEADER, BATCH_PATH
+from rstar_sandbox.jobs import BATCH_ID_HEADER, BATCH_PATH, Job, Result
 
 log = logging.getLogger("rstar_sandbox.http")
 URLS_ENV = "RSTAR_SANDBOX_URLS"

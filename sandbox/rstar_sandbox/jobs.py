@@ -14,6 +14,11 @@ OUTPUT_LIMIT = server.OUTPUT_LIMIT
 SANDBOX_ERROR = server.SANDBOX_ERROR
 STATUSES = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, SANDBOX_ERROR)
 
+# Where a batch of jobs goes over HTTP: the sandbox service (service.py) serves it, the
+# client (http_client.py) posts to it.
+BATCH_PATH = "/v1/batches"
+BATCH_ID_HEADER = "X-Rstar-Batch"  # the id again, as a header a load balancer can hash on
+
 
 @dataclass(frozen=True)
 class Job:

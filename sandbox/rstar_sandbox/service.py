@@ -35,12 +35,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rstar_sandbox.jobs import Job, Result
+from rstar_sandbox.jobs import BATCH_PATH, Job, Result
 from rstar_sandbox.pool import Sandbox
 
 log = logging.getLogger("rstar_sandbox.service")
-BATCH_PATH = "/v1/batches"
-BATCH_ID_HEADER = "X-Rstar-Batch"  # the id again, as a header a load balancer can hash on
 MAX_BODY_BYTES = 256 << 20
 REMEMBERED_BATCHES = 4096  # finished batches kept to answer a retry from the same run
 RATE_WINDOW_S = 10.0  # the recent throughput that Retry-After is estimated from

@@ -16,7 +16,8 @@ import pytest
 
 from rstar_sandbox import OK, Job, Sandbox
 from rstar_sandbox.http_client import HttpSandbox
-from rstar_sandbox.service import BATCH_PATH, SandboxService, make_server
+from rstar_sandbox.jobs import BATCH_PATH
+from rstar_sandbox.service import SandboxService, make_server
 from tests.scale_out.servers import BIN, free_port, haproxy, require, sandbox_service, stop
 
 ECHO = "print(input())\n"
