@@ -118,7 +118,7 @@ QUIET_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 # Not $DAGSTER_HOME/logs: that is Dagster's telemetry directory, whose files `dagster dev`
 # moves away to upload them to Dagster's telemetry server (even with telemetry disabled in
-# dagster.yaml), so `make dev` after the demo took the demo's event log.
+# dagster.yaml), so `make dev` after the demo would take the demo's event log away.
 EVENT_LOG_DIR = "event_logs"
 
 

@@ -11,7 +11,7 @@ With `share_repeats` (for models whose attention reads a shared part, module
 `cascade_attention`), repeating the batch copies nothing: what each row holds then (a prompt's
 keys, before its n samples; a batch's shared preamble, before its prompts) becomes the shared
 part of a group of rows, kept once, and each row's later keys go to its own part. Every decode
-step of n samples of a prompt read n copies of the prompt's keys; now it reads one.
+step of n samples of a prompt reads one copy of the prompt's keys, not n.
 
 The layer is a DynamicLayer in every other respect (cropping, batch repeats and selections,
 resets): those replace `keys`/`values` with tensors of their own, and the next update moves them

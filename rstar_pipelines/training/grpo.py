@@ -309,8 +309,8 @@ def _per_step(history: list[dict], updates: int) -> tuple[dict[str, list], list[
 def _without_autocast(model: Any) -> Iterator[None]:
     """The model's own forward while the block runs. Under mixed precision accelerate wraps a
     model's forward in autocast, and on a CPU autocast casts every float32 weight to bfloat16
-    again at every decode step: the demo's rollouts took 30-50% longer than in float32. The
-    rollouts sample from the float32 weights instead, as a serving engine's rollouts sample from
+    again at every decode step, which makes rollouts slower than in float32 (docs/benchmarks.md).
+    The rollouts sample from the float32 weights instead, as a serving engine's rollouts sample from
     its own copy; the loss still takes its log-probabilities under autocast."""
     wrapped, original = model.__dict__.get("forward"), model.__dict__.get("_original_forward")
     if wrapped is None or original is None:

@@ -110,8 +110,8 @@ def callbacks(job: str, log: Callable[[str], Any]) -> list[Any]:
     """The TrainerCallbacks of every job: a line logged per logged step and one per evaluation,
     on every process (the job's log function says which); and no resumable checkpoint after the
     last step. transformers saves one there (the weights, and the optimizer's state, twice
-    their size), which `finish` deletes once it has written the model: on the CPU that was
-    4-5 s of a demo SFT job whose two steps took 3."""
+    their size), which `finish` deletes once it has written the model: on the CPU writing it
+    can take longer than a small job's training steps."""
     from transformers import TrainerCallback
 
     class Progress(TrainerCallback):
