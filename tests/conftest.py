@@ -76,9 +76,9 @@ class DemoRun:
 
 @pytest.fixture(scope="session")
 def demo(tmp_path_factory) -> DemoRun:
-    """`rstar demo` end to end, once per session (about 13-15 minutes on a CPU): the embedded
-    model and the real sandbox through the whole declared graph. The demo's checks and the
-    browser test of the UI share it."""
+    """`rstar demo` end to end, once per session (about 10 minutes on a 2-core CPU,
+    docs/benchmarks.md): the embedded model and the real sandbox through the whole declared
+    graph. The demo's checks and the browser test of the UI share it."""
     root = tmp_path_factory.mktemp("demo")
     home, data = root / "dagster_home", root / "data"
     home.mkdir()
