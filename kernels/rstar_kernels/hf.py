@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .cache import CompressedKeyCache
+from .decode import BACKENDS, sparse_decode
 from .gate import GateConfig, SeerGates, capture_pre_rope, decoder_layers
 from .selection import check_selection, select_blocks
 
@@ -76,8 +77,6 @@ class _GatedLayer:
         self.cache.prefill(k, valid, position_ids.expand(batch, length))
 
     def decode(self, query, key, value, position_ids, scaling):
-        from . import sparse_decode
-
         if self.starts is None:
             raise RuntimeError("a seer decode step came before any prefill through this model")
         batch, length = key.shape[0], key.shape[2]
@@ -187,8 +186,6 @@ class SeerDecoding:
     its previous attention implementation and removes the hooks."""
 
     def __init__(self, model, gates: SeerGates, *, token_budget, threshold, backend, start_layer):
-        from . import BACKENDS
-
         check_selection(token_budget, threshold)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")

@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from . import sparse_decode
+from .decode import sparse_decode
 from .gate import AttnGate, GateConfig, _gate_inv_freq, rotate_half
 from .selection import select_blocks
 
