@@ -192,24 +192,30 @@ def _check_evaluations() -> None:
         assert row["observed_accuracy"] == sum(
             s["correct"] for s in row["states"] if s["iteration"] >= 1
         ) / (2 * 2)
-    # Every trained checkpoint, each way it is evaluated, on the same held-out problems.
+    # The base policy (round 0) and every trained checkpoint, each way it is evaluated, on the
+    # same held-out problems; each with its interval, and paired with round 0.
     rows = query("select * from eval_comparison").to_pylist()
-    methods = {(r["checkpoint"], r["method"]): r for r in rows}
+    methods = {(r["round"], r["checkpoint"], r["method"]): r for r in rows}
     assert set(methods) == {
-        ("policy", "greedy"),
-        ("policy", "majority_of_4"),
-        ("policy", "dser"),
-        ("policy+ppm", "mcts_best_q"),
-        ("policy+ppm", "mcts_majority"),
-        ("grpo_roc", "greedy"),
-        ("grpo_roc", "tool"),
-        ("attn_gates", "dense"),
-        ("attn_gates", "budget_32"),
-        ("attn_gates", "budget_64"),
+        (0, "policy", "greedy"),
+        (0, "policy", "majority_of_4"),
+        (0, "policy", "mcts_majority"),
+        (1, "policy", "greedy"),
+        (1, "policy", "majority_of_4"),
+        (1, "policy", "dser"),
+        (1, "policy+ppm", "mcts_best_q"),
+        (1, "policy+ppm", "mcts_majority"),
+        (1, "grpo_roc", "greedy"),
+        (1, "grpo_roc", "tool"),
+        (1, "attn_gates", "dense"),
+        (1, "attn_gates", "budget_32"),
+        (1, "attn_gates", "budget_64"),
     }
     assert len({r["problems"] for r in rows}) == 1 and rows[0]["problems"] >= 1
     assert all(r["tokens_per_problem"] > 0 for r in rows)
-    dser, greedy = methods["policy", "dser"], methods["policy", "greedy"]
+    assert all(r["accuracy_low"] <= r["accuracy"] <= r["accuracy_high"] for r in rows)
+    assert all((r["p_value"] is None) == (r["baseline"] is None) for r in rows)
+    dser, greedy = methods[1, "policy", "dser"], methods[1, "policy", "greedy"]
     assert dser["tokens_per_problem"] > greedy["tokens_per_problem"]
     # The search never reads the gold answer: the PPM values every answer step it reaches (the
     # demo's weak policy may reach none).

@@ -528,13 +528,30 @@ DSER_EVAL = contract(
 
 EVAL_COMPARISON = contract(
     [
-        ("round", pa.int64(), "the self-evolution round"),
+        ("round", pa.int64(), "the round that trained the checkpoint (0: the base policy)"),
         ("checkpoint", pa.string(), "policy, policy+ppm, grpo_roc or attn_gates"),
         ("method", pa.string(), "how it was evaluated (docs/evaluation.md)"),
         ("problems", pa.int64(), "held-out math problems all the evaluations share"),
+        ("correct", pa.int64(), "of those, problems answered correctly"),
         ("accuracy", pa.float64(), "share of those problems answered correctly"),
+        ("accuracy_low", pa.float64(), "the 95% Wilson interval of the accuracy: low end"),
+        ("accuracy_high", pa.float64(), "the 95% Wilson interval of the accuracy: high end"),
+        # Against a round-0 row on the same problems (null on round 0's greedy row): the
+        # round-0 row of the same method, else round 0's greedy decoding.
+        ("baseline", pa.string(), "the round-0 row it is compared with"),
+        ("difference", pa.float64(), "accuracy minus the baseline's, on the same problems"),
+        ("gained", pa.int64(), "problems it answers right and the baseline wrong"),
+        ("lost", pa.int64(), "problems the baseline answers right and it wrong"),
+        ("p_value", pa.float64(), "exact McNemar test against the baseline, two-sided"),
+        ("completions_per_problem", pa.float64(), "mean full solutions generated per problem"),
         ("tokens_per_problem", pa.float64(), "mean tokens generated per problem"),
         ("seconds_per_problem", pa.float64(), "mean wall seconds per problem"),
+        (
+            "oracle_any_correct",
+            pa.float64(),
+            "an oracle, not a method: share of problems where any of its solutions is right "
+            "by the gold answer (null: one solution)",
+        ),
         ("model", pa.string(), "what generated: the checkpoint's model id"),
     ]
 )

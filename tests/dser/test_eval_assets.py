@@ -97,9 +97,10 @@ def _tokens(text: str) -> int:
 
 
 class ScriptedPolicy:
-    """The golden MCTS tree's steps after the search's chat prompt (the question, then the
-    steps so far); the agent's turns after its system prompt; the DSER script after a single
-    user message. `n` completions: the scripted ones, repeated in turn."""
+    """The golden MCTS tree's steps after the search's prompt (the question, then the steps
+    so far, as chat or after the few-shot text); the agent's turns after its system prompt;
+    the DSER script after a single user message. `n` completions: the scripted ones, repeated
+    in turn."""
 
     name = "scripted"
 
@@ -111,7 +112,9 @@ class ScriptedPolicy:
         self.prompts += len(prompts)
         out = []
         for prompt in prompts:
-            if prompt[0]["role"] == "system":  # the agent
+            if isinstance(prompt, str):  # the base policy's search: the few-shot prompt
+                texts = SCRIPT[prompt.split(f"Question: {MATH_Q}\n")[-1]]
+            elif prompt[0]["role"] == "system":  # the agent
                 domain = "math" if MATH_Q in prompt[1]["content"] else "code"
                 done = "<tool_response>" in prompt[-1]["content"]
                 texts = [(AGENT_ANSWER if done else AGENT_CALL)[domain]]
@@ -239,13 +242,14 @@ def evaluation(tmp_path, tiny_base):
     }
     policy = _write_upstream(tmp_path, tiny_base)
     resource = ScriptedLLMResource()
-    return defs, resources, resource.model_id(policy), resource.model_id(str(tmp_path / "grpo"))
+    models = (policy, str(tmp_path / "grpo"), spec.by_key["base_policy_eval"].stage().model)
+    return defs, resources, *map(resource.model_id, models)
 
 
 def _materialize(defs, resources, instance):
     result = dg.materialize(
         list(defs.assets),
-        selection=["mcts_eval", "dser_eval", "grpo_eval", "eval_comparison"],
+        selection=["base_policy_eval", "mcts_eval", "dser_eval", "grpo_eval", "eval_comparison"],
         instance=instance,
         resources=resources,
     )
@@ -254,10 +258,11 @@ def _materialize(defs, resources, instance):
 
 
 ORDER = (
+    ("base_policy_eval", "problem_id"),
     ("mcts_eval", "problem_id"),
     ("dser_eval", "problem_id"),
     ("grpo_eval", "method, problem_id"),
-    ("eval_comparison", "checkpoint, method"),
+    ("eval_comparison", "round, checkpoint, method"),
 )
 
 
@@ -267,7 +272,7 @@ def _metadata(instance, key):
 
 
 def test_the_evaluations_and_their_comparison(evaluation):
-    defs, resources, policy, grpo = evaluation
+    defs, resources, policy, grpo, base = evaluation
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         first = _materialize(defs, resources, instance)
@@ -350,49 +355,91 @@ def test_the_evaluations_and_their_comparison(evaluation):
         )
         assert math_line.split(" | ")[1:6] == ["2", "1.000", "0.500", "0.750", "0.667"]
 
-        # eval_comparison: every checkpoint and method on the two shared math problems. The
-        # vote over 4 samples (WRONG, RIGHT, WRONG, RIGHT) ties, and the first class (6) wins.
-        compared = {(r["checkpoint"], r["method"]): r for r in first["eval_comparison"]}
+        # base_policy_eval, round 0: the base policy on the same two problems with the few-shot
+        # prompt, greedy as above, and the search without a PPM (nothing values its answers).
+        base_rows = first["base_policy_eval"]
+        assert [r["problem_id"] for r in base_rows] == [r["problem_id"] for r in mcts]
+        for r in base_rows:
+            assert (r["round"], r["policy"], r["ppm"]) == (0, base, None)
+            assert (r["greedy_correct"], r["best_q_correct"]) == (False, None)
+            assert r["greedy_tokens"] == _tokens(A) + _tokens(D)
+            assert r["answers_valued_by_ppm"] == 0 and r["search_answers"] > 0
+
+        # eval_comparison: round 0 and every checkpoint and method of round 1, on the two
+        # shared math problems. The vote over 4 samples (WRONG, RIGHT, WRONG, RIGHT) ties, and
+        # the first class (6) wins.
+        compared = {(r["round"], r["checkpoint"], r["method"]): r for r in first["eval_comparison"]}
         assert set(compared) == {
-            ("policy", "greedy"),
-            ("policy", "majority_of_4"),
-            ("policy", "dser"),
-            ("policy+ppm", "mcts_best_q"),
-            ("policy+ppm", "mcts_majority"),
-            ("grpo_roc", "greedy"),
-            ("grpo_roc", "tool"),
-            ("attn_gates", "dense"),
-            ("attn_gates", "budget_32"),
+            (0, "policy", "greedy"),
+            (0, "policy", "majority_of_4"),
+            (0, "policy", "mcts_majority"),
+            (1, "policy", "greedy"),
+            (1, "policy", "majority_of_4"),
+            (1, "policy", "dser"),
+            (1, "policy+ppm", "mcts_best_q"),
+            (1, "policy+ppm", "mcts_majority"),
+            (1, "grpo_roc", "greedy"),
+            (1, "grpo_roc", "tool"),
+            (1, "attn_gates", "dense"),
+            (1, "attn_gates", "budget_32"),
         }
         assert all(r["problems"] == 2 for r in compared.values())
-        assert {r["model"] for k, r in compared.items() if k[0].startswith("policy")} == {policy}
+        assert {r["model"] for k, r in compared.items() if k[0] == 0} == {base}
+        assert {r["model"] for k, r in compared.items() if k[:2] == (1, "policy")} == {policy}
         mean = lambda column: sum(r[column] for r in mcts) / 2  # noqa: E731
-        greedy, dser_row = compared["policy", "greedy"], compared["policy", "dser"]
+        greedy, dser_row = compared[1, "policy", "greedy"], compared[1, "policy", "dser"]
         assert (greedy["accuracy"], dser_row["accuracy"]) == (0.0, 1.0)
         assert greedy["tokens_per_problem"] == _tokens(A) + _tokens(D)
         assert greedy["seconds_per_problem"] == pytest.approx(mean("greedy_seconds"))
-        best_q = compared["policy+ppm", "mcts_best_q"]
+        best_q = compared[1, "policy+ppm", "mcts_best_q"]
         assert best_q["accuracy"] == mean("best_q_correct")
         assert best_q["tokens_per_problem"] == mean("search_tokens")
-        majority = compared["policy", "majority_of_4"]
-        assert majority["accuracy"] == 0.0
+        assert best_q["completions_per_problem"] == mean("search_answers")
+        majority = compared[1, "policy", "majority_of_4"]
+        assert (majority["accuracy"], majority["completions_per_problem"]) == (0.0, 4)
         assert majority["tokens_per_problem"] == 2 * (_tokens(WRONG) + _tokens(RIGHT))
         assert majority["seconds_per_problem"] > 0
         assert dser_row["tokens_per_problem"] == math["tokens"]
         assert dser_row["seconds_per_problem"] == pytest.approx(
             sum(dser[i]["seconds"] for i in MATH_IDS) / 2
         )
-        tool = compared["grpo_roc", "tool"]
-        assert (compared["grpo_roc", "greedy"]["accuracy"], tool["accuracy"]) == (0.0, 1.0)
+        tool = compared[1, "grpo_roc", "tool"]
+        assert (compared[1, "grpo_roc", "greedy"]["accuracy"], tool["accuracy"]) == (0.0, 1.0)
         assert tool["tokens_per_problem"] == _tokens(AGENT_CALL["math"]) + _tokens(
             AGENT_ANSWER["math"]
         )
         assert tool["model"] == grpo
-        gates = compared["attn_gates", "budget_32"]
+        gates = compared[1, "attn_gates", "budget_32"]
         assert (gates["accuracy"], gates["tokens_per_problem"]) == (0.5, 30)
+
+        # The statistics: 0 of 2 has the Wilson interval [0, z²/(2+z²)], 2 of 2 [2/(2+z²), 1].
+        z2 = 1.959963984540054**2
+        assert (greedy["correct"], greedy["accuracy_low"]) == (0, 0.0)
+        assert greedy["accuracy_high"] == pytest.approx(z2 / (2 + z2))
+        assert dser_row["accuracy_low"] == pytest.approx(2 / (2 + z2))
+        # Paired with round 0 on the same problems: the same method where round 0 has it, else
+        # its greedy decoding. DSER wins both problems greedy loses: p = 2 / 2^2.
+        assert compared[0, "policy", "greedy"]["baseline"] is None
+        assert compared[1, "policy", "majority_of_4"]["baseline"] == "round 0 majority_of_4"
+        against = [dser_row[k] for k in ("baseline", "difference", "gained", "lost", "p_value")]
+        assert against == ["round 0 greedy", 1.0, 2, 0, 0.5]
+        assert (greedy["difference"], greedy["p_value"]) == (0.0, 1.0)
+        assert compared[1, "attn_gates", "budget_32"]["gained"] == 1
+        # The oracle stands apart: any of the 4 samples right (RIGHT is), none for greedy.
+        assert (majority["oracle_any_correct"], greedy["oracle_any_correct"]) == (1.0, None)
+        assert dser_row["oracle_any_correct"] == 1.0
         comparison_md = _metadata(instance, "eval_comparison")
         table = comparison_md["comparison"].splitlines()
-        assert len(table) == 2 + 9 and "| policy | majority_of_4 | 2 | 0.000 |" in table[3]
+        assert len(table) == 2 + 12
+        assert (
+            "| 1 | policy | dser | 2/2 | 1.000 [0.342, 1.000] | round 0 greedy | +1.000 | 0.5 |"
+            in (comparison_md["comparison"])
+        )
+        assert "oracle" not in comparison_md["comparison"]
+        assert comparison_md["oracle"].startswith("An oracle, not a method")
+        assert "| 1 | policy | majority_of_4 | 4.0 | 1.0 |" in comparison_md["oracle"]
+        assert "none could: on 2 paired problems" in comparison_md["significance"]
+        assert comparison_md["accuracy_by_round"].startswith("![accuracy (95% Wilson interval)")
         assert comparison_md["accuracy_vs_tokens"].startswith("![accuracy against tokens")
 
         # Again: every result comes from the item caches, seconds included.
@@ -428,16 +475,23 @@ def test_no_heldout_problem_is_a_clear_error(tmp_path):
 
 
 def test_comparison_refuses_another_policy(tmp_path):
+    """Each evaluation must be of the checkpoint it stands for: mcts_eval of this round's
+    policy, base_policy_eval of the base (round 0) policy."""
     spec = load_spec(REPO / "assets" / "pipeline.yaml")
     stage = spec.by_key["eval_comparison"].stage()
     resource = ScriptedLLMResource()
     evaluated = {"batch": "b1", "problem_id": MATH_IDS[0], "domain": "math"}
+    by = lambda model: pa.Table.from_pylist([{**evaluated, "policy": resource.model_id(model)}])  # noqa: E731
     inputs = {
-        "mcts_eval": pa.Table.from_pylist(
-            [{**evaluated, "policy": resource.model_id("round_0_policy")}]
-        ),
-        "dser_eval": pa.Table.from_pylist([{**evaluated, "policy": resource.model_id("policy")}]),
+        "mcts_eval": by("round_0_policy"),
+        "dser_eval": by("policy"),
+        "base_policy_eval": by(stage.model),
         "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
     }
+    context = _context(tmp_path, {"llm": resource})
     with pytest.raises(StageInputError, match="mcts_eval evaluated .*round_0_policy.*re-mat"):
-        stage.run(_context(tmp_path, {"llm": resource}), inputs)
+        stage.run(context, inputs)
+    inputs["mcts_eval"] = by("policy")
+    inputs["base_policy_eval"] = by("policy")
+    with pytest.raises(StageInputError, match="base_policy_eval evaluated .*:policy'], not"):
+        stage.run(context, inputs)

@@ -225,8 +225,10 @@ def test_two_self_evolution_rounds(two_rounds):
     }
     # The SeerAttention-R gates are another branch, tested in tests/training/test_gate_assets.py.
     skipped |= {"gate_distill_data", "attn_gate_checkpoint", "attn_gate_eval"}
-    # DSER and the comparison of the methods: tested in tests/dser/test_eval_assets.py.
-    skipped |= {"dser_eval", "eval_comparison", "dser_eval_r2", "eval_comparison_r2"}
+    # The base policy's evaluation, DSER and the comparison of the methods: tested in
+    # tests/dser/test_eval_assets.py.
+    skipped |= {"base_policy_eval", "dser_eval", "eval_comparison"}
+    skipped |= {"dser_eval_r2", "eval_comparison_r2"}
     # GRPO-RoC from the policy checkpoints: tested in tests/training/test_grpo.py and (its
     # evaluation) tests/dser/test_eval_assets.py.
     skipped |= {"grpo_roc_data", "grpo_roc_checkpoint", "grpo_roc_checkpoint_r2"}
