@@ -1,5 +1,5 @@
-"""`rstar`: the project's command line (queries, seed batches, the demo, model export, a sparse
-vLLM server)."""
+"""`rstar`: the project's command line (queries, seed batches, the demo and its evaluation, model
+export, a sparse vLLM server)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,38 @@ def query(sql: str, fmt: str, max_rows: int) -> None:
             click.echo(f"... {len(frame)} rows in all")
 
 
+def evaluation_report(instance) -> str:
+    """The latest materialization of every round's eval_comparison: the methods' table, the
+    verdict on significance and the oracle's table apart."""
+    import dagster as dg
+
+    from rstar_pipelines.definitions import load_spec
+    from rstar_pipelines.dser.comparison import EvaluationComparison
+
+    parts = []
+    for asset in load_spec().with_stage(EvaluationComparison):
+        event = instance.get_latest_materialization_event(dg.AssetKey(asset.key))
+        if event is None:
+            continue
+        shown = {k: v.value for k, v in event.asset_materialization.metadata.items()}
+        parts.append(
+            f"{asset.key}: {shown['problems']} held-out problems\n\n{shown['comparison']}\n\n"
+            f"{shown['significance']}\n\n{shown['oracle']}"
+        )
+    if not parts:
+        raise click.ClickException(
+            f"no eval_comparison is materialized in DAGSTER_HOME={os.environ['DAGSTER_HOME']}: "
+            f"run `rstar demo`, or materialize eval_comparison and its upstream assets"
+        )
+    return "\n\n".join(parts)
+
+
+@main.command("eval")
+def evaluate() -> None:
+    """Print the evaluation: every round's eval_comparison, as last materialized."""
+    click.echo(evaluation_report(_instance()))
+
+
 @main.group()
 def seeds() -> None:
     """Seed batches."""
@@ -147,9 +179,11 @@ def demo() -> None:
     click.echo(f"\n{len(results)} runs: {', '.join(r.job_def.name for r in results)}")
     if failed:
         raise click.ClickException(f"a run failed; its events are in {event_log}")
+    click.echo(f"\n{evaluation_report(instance)}\n")
     bin_dir = os.path.relpath(Path(sys.executable).parent)
     click.echo(
         f"Event log:   {event_log}\n"
+        f"Evaluation:  {bin_dir}/rstar eval (the tables above)\n"
         f"Outputs:     {settings.lake_dir()} (Parquet, one file per asset partition)\n"
         f"Query them:  {bin_dir}/rstar query "
         f'"select domain, count(*) from seed_problems group by 1"\n'

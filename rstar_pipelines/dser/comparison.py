@@ -419,7 +419,13 @@ def _oracle(rows: list[dict]) -> Markdown:
     table = markdown_table(
         ["round", "checkpoint", "method", "solutions/problem", "any solution correct"],
         [
-            [r["round"], r["checkpoint"], r["method"], f"{r['completions_per_problem']:.1f}", a]
+            [
+                r["round"],
+                r["checkpoint"],
+                r["method"],
+                f"{r['completions_per_problem']:.1f}",
+                f"{a:.3f}",
+            ]
             for r in rows
             if (a := r["oracle_any_correct"]) is not None
         ],

@@ -437,7 +437,7 @@ def test_the_evaluations_and_their_comparison(evaluation):
         )
         assert "oracle" not in comparison_md["comparison"]
         assert comparison_md["oracle"].startswith("An oracle, not a method")
-        assert "| 1 | policy | majority_of_4 | 4.0 | 1.0 |" in comparison_md["oracle"]
+        assert "| 1 | policy | majority_of_4 | 4.0 | 1.000 |" in comparison_md["oracle"]
         assert "none could: on 2 paired problems" in comparison_md["significance"]
         assert comparison_md["accuracy_by_round"].startswith("![accuracy (95% Wilson interval)")
         assert comparison_md["accuracy_vs_tokens"].startswith("![accuracy against tokens")
