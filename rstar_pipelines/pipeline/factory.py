@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Iterator
 from functools import reduce
 from typing import Any
 
@@ -21,7 +22,7 @@ from rstar_pipelines.deployment import run_out_of_process, step_tags
 from rstar_pipelines.partitions import PARTITIONINGS
 from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.spec import DeclaredAsset, PipelineSpec
-from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError
+from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError, StageResult
 from rstar_pipelines.storage import schemas
 
 PREVIEW_ROWS = 5
@@ -199,12 +200,9 @@ def _combine(value: Any, schema: pa.Schema) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive")
 
 
-def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition:
+def _outs(asset: DeclaredAsset, spec: PipelineSpec) -> dict[str, dg.AssetOut]:
+    """The asset's own output and its secondary ones, with what the UI shows of them."""
     decl, stage_cls = asset.decl, asset.stage_cls
-    schemas_of = {decl.key: stage_cls.schema}
-    schemas_of.update(
-        {key: stage_cls.secondary_outputs[name] for name, key in decl.outputs.items()}
-    )
     common = {
         "group_name": decl.group,
         "code_version": asset.code_version,
@@ -217,101 +215,142 @@ def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition
             "prompts": dg.MetadataValue.json({r: t.name for r, t in asset.prompts.items()}),
         },
     }
-    description = decl.description or (stage_cls.__doc__ or "").strip()
+    description = _description(asset)
     outs = {decl.key: dg.AssetOut(description=description, **common)}
     for name, key in decl.outputs.items():
         outs[key] = dg.AssetOut(description=f"The {name} of {decl.key}. {description}", **common)
+    return outs
 
-    ins, upstream_schemas = {}, {}
-    for up in decl.upstream:
-        producer = spec.producer_of(up)
-        fan_in = producer.partitioned and not asset.partitioned
+
+def _description(asset: DeclaredAsset) -> str:
+    return asset.decl.description or (asset.stage_cls.__doc__ or "").strip()
+
+
+def _ins(asset: DeclaredAsset, spec: PipelineSpec) -> dict[str, dg.AssetIn]:
+    """One input per upstream asset; an unpartitioned asset reads whichever partitions of a
+    partitioned one exist."""
+    ins = {}
+    for up in asset.decl.upstream:
+        fan_in = spec.producer_of(up).partitioned and not asset.partitioned
         ins[up] = dg.AssetIn(
             key=up, metadata={"allow_missing_partitions": True} if fan_in else None
         )
-        upstream_schemas[up] = spec.schema_of(up)
+    return ins
+
+
+def _check_specs(asset: DeclaredAsset) -> list[dg.AssetCheckSpec]:
+    return [
+        dg.AssetCheckSpec(
+            c.name,
+            asset=asset.key,
+            description=c.description + (" (a warning: never fails the run)" if c.warn else ""),
+            blocking=c.blocking,
+        )
+        for c in asset.stage_cls.checks
+    ]
+
+
+def build_asset(asset: DeclaredAsset, spec: PipelineSpec) -> dg.AssetsDefinition:
+    """The Dagster multi-asset of one declared entry: its wiring here, the stage run in
+    `_run_stage`."""
+    decl = asset.decl
+    upstream_schemas = {up: spec.schema_of(up) for up in decl.upstream}
 
     @dg.multi_asset(
         name=decl.key,
-        outs=outs,
-        ins=ins,
+        outs=_outs(asset, spec),
+        ins=_ins(asset, spec),
         partitions_def=PARTITIONINGS[decl.partitioning],
         pool=decl.pool,
         op_tags=step_tags(decl.pool),
-        required_resource_keys=set(stage_cls.resources),
-        description=description,
+        required_resource_keys=set(asset.stage_cls.resources),
+        description=_description(asset),
         # Selecting one output of a stage (e.g. only seed_problems) writes just that one.
         can_subset=True,
-        check_specs=[
-            dg.AssetCheckSpec(
-                c.name,
-                asset=decl.key,
-                description=c.description + (" (a warning: never fails the run)" if c.warn else ""),
-                blocking=c.blocking,
-            )
-            for c in stage_cls.checks
-        ],
+        check_specs=_check_specs(asset),
     )
     def compute(context, **inputs: Any):  # no annotation: Dagster checks it at runtime
         tables = {asset.input_names[k]: _combine(v, upstream_schemas[k]) for k, v in inputs.items()}
         partition = context.partition_key if context.has_partition_key else None
         with progress.step(decl.key, partition, context.log) as step:
-            yield from _run_stage(context, tables, partition, step)
-
-    def _run_stage(context, tables, partition, step):
-        ctx = StageContext(
-            partition_key=partition,
-            log=context.log,
-            resources={r: getattr(context.resources, r) for r in stage_cls.resources},
-            run_id=context.run.run_id,
-            cache_path=cache_location(
-                decl.key, context.partition_key if context.has_partition_key else None
-            ),
-            cache_namespace=stage_cls.cache_namespace(),
-            launcher=lambda command: run_out_of_process(context, command),
-        )
-        try:
-            result = asset.stage().run(ctx, tables)
-        except StageInputError as err:
-            raise dg.Failure(description=f"{decl.key}: {err}", allow_retries=False) from err
-        finally:
-            ctx.close()
-        result.metadata.update(ctx.cache_metadata())
-        produced = {decl.key: result.table}
-        produced.update({key: result.secondary.get(name) for name, key in decl.outputs.items()})
-        for key, table in produced.items():
-            _check_schema(key, table, schemas_of[key])
-        progress.finished(
-            step,
-            {
-                k: t.num_rows
-                for k, t in produced.items()
-                if dg.AssetKey(k) in context.selected_asset_keys
-            },
-            _headline(rounded(result.metadata)),
-        )
-        for key, table in produced.items():
-            if dg.AssetKey(key) not in context.selected_asset_keys:
-                continue
-            extra = _metadata_values(result.metadata) if key == decl.key else {}
-            yield dg.Output(table, output_name=key, metadata={**table_metadata(table), **extra})
-        outcomes = {o.name: o for o in result.checks}
-        for spec in stage_cls.checks:
-            check_key = dg.AssetCheckKey(dg.AssetKey(decl.key), spec.name)
-            if check_key not in context.selected_asset_check_keys:
-                continue
-            if spec.name not in outcomes:
-                raise RuntimeError(f"stage {decl.stage} did not report its check {spec.name!r}")
-            outcome = outcomes[spec.name]
-            yield dg.AssetCheckResult(
-                asset_key=decl.key,
-                check_name=spec.name,
-                passed=outcome.passed,
-                severity=dg.AssetCheckSeverity.WARN if spec.warn else dg.AssetCheckSeverity.ERROR,
-                metadata=_metadata_values(outcome.metadata),
-            )
+            yield from _run_stage(context, asset, tables, partition, step)
 
     return compute
+
+
+def _stage_context(
+    context: dg.AssetExecutionContext, asset: DeclaredAsset, partition: str | None
+) -> StageContext:
+    stage_cls = asset.stage_cls
+    return StageContext(
+        partition_key=partition,
+        log=context.log,
+        resources={r: getattr(context.resources, r) for r in stage_cls.resources},
+        run_id=context.run.run_id,
+        cache_path=cache_location(asset.key, partition),
+        cache_namespace=stage_cls.cache_namespace(),
+        launcher=lambda command: run_out_of_process(context, command),
+    )
+
+
+def _run_stage(
+    context: dg.AssetExecutionContext,
+    asset: DeclaredAsset,
+    tables: dict[str, pa.Table],
+    partition: str | None,
+    step: progress.Step,
+) -> Iterator[dg.Output | dg.AssetCheckResult]:
+    """Run the stage on its input tables, check what it produced against its data contract,
+    and yield the selected outputs and check results."""
+    decl = asset.decl
+    ctx = _stage_context(context, asset, partition)
+    try:
+        result = asset.stage().run(ctx, tables)
+    except StageInputError as err:
+        raise dg.Failure(description=f"{decl.key}: {err}", allow_retries=False) from err
+    finally:
+        ctx.close()
+    result.metadata.update(ctx.cache_metadata())
+    produced = _produced(asset, result)
+    selected = {k: t for k, t in produced.items() if dg.AssetKey(k) in context.selected_asset_keys}
+    progress.finished(
+        step, {k: t.num_rows for k, t in selected.items()}, _headline(rounded(result.metadata))
+    )
+    for key, table in selected.items():
+        extra = _metadata_values(result.metadata) if key == decl.key else {}
+        yield dg.Output(table, output_name=key, metadata={**table_metadata(table), **extra})
+    yield from _check_results(context, asset, result)
+
+
+def _produced(asset: DeclaredAsset, result: StageResult) -> dict[str, pa.Table]:
+    """Every table the stage returned, by asset key, each checked against its schema."""
+    decl, stage_cls = asset.decl, asset.stage_cls
+    produced = {decl.key: _check_schema(decl.key, result.table, stage_cls.schema)}
+    for name, key in decl.outputs.items():
+        expected = stage_cls.secondary_outputs[name]
+        produced[key] = _check_schema(key, result.secondary.get(name), expected)
+    return produced
+
+
+def _check_results(
+    context: dg.AssetExecutionContext, asset: DeclaredAsset, result: StageResult
+) -> Iterator[dg.AssetCheckResult]:
+    """The outcome of each selected check the stage declares; a missing one is a bug."""
+    outcomes = {o.name: o for o in result.checks}
+    for check in asset.stage_cls.checks:
+        check_key = dg.AssetCheckKey(dg.AssetKey(asset.key), check.name)
+        if check_key not in context.selected_asset_check_keys:
+            continue
+        if check.name not in outcomes:
+            raise RuntimeError(f"stage {asset.decl.stage} did not report its check {check.name!r}")
+        outcome = outcomes[check.name]
+        yield dg.AssetCheckResult(
+            asset_key=asset.key,
+            check_name=check.name,
+            passed=outcome.passed,
+            severity=dg.AssetCheckSeverity.WARN if check.warn else dg.AssetCheckSeverity.ERROR,
+            metadata=_metadata_values(outcome.metadata),
+        )
 
 
 def build_assets(spec: PipelineSpec) -> list[dg.AssetsDefinition]:
