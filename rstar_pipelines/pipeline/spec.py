@@ -220,6 +220,25 @@ def _expand_rounds(path: Path, parsed: PipelineFile) -> list[tuple[AssetDecl, di
 
 def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path) -> PipelineSpec:
     """Parse, validate and resolve a pipeline file against the known stage kinds."""
+    parsed = _parse(path)
+    produced: dict[str, str] = {}  # asset key -> the declared asset that produces it
+    declared: list[DeclaredAsset] = []
+    for decl, input_names in _expand_rounds(path, parsed):
+        stage_cls = _stage_of(path, decl, stages)
+        _claim_outputs(path, decl, produced)
+        _check_outputs(path, decl, stage_cls)
+        params = _params(path, decl, stage_cls, parsed)
+        prompts = _prompts(path, decl, stage_cls, prompts_dir)
+        model = _model(path, decl, params, parsed)
+        declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model, input_names))
+    _check_upstream(path, declared, produced)
+    _check_acyclic(path, declared, produced)
+    return PipelineSpec(path, declared)
+
+
+def _parse(path: Path) -> PipelineFile:
+    """The file read and validated against the schema; an error names the asset (by key, or
+    by position when it has none) and the field."""
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -228,9 +247,8 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
         raise PipelineSpecError(f"{path}: not valid YAML: {err}") from None
     if not isinstance(raw, dict):
         raise _fail(path, None, None, "expected a mapping with an 'assets' list")
-
     try:
-        parsed = PipelineFile.model_validate(raw)
+        return PipelineFile.model_validate(raw)
     except ValidationError as err:
         first = err.errors()[0]
         loc = first["loc"]
@@ -242,84 +260,101 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
             loc = loc[2:]
         raise _fail(path, key, _loc(loc) or None, first["msg"]) from None
 
-    produced: dict[str, str] = {}
-    declared: list[DeclaredAsset] = []
-    for decl, input_names in _expand_rounds(path, parsed):
-        stage_cls = stages.get(decl.stage)
-        if stage_cls is None:
-            raise _fail(
-                path,
-                decl.key,
-                "stage",
-                f"unknown stage kind {decl.stage!r}; known: {', '.join(sorted(stages))}",
-            )
-        for out_key in [decl.key, *decl.outputs.values()]:
-            if out_key in produced:
-                raise _fail(
-                    path,
-                    decl.key,
-                    "key" if out_key == decl.key else "outputs",
-                    f"asset key {out_key!r} is already produced by {produced[out_key]!r}",
-                )
-            produced[out_key] = decl.key
-        missing = set(stage_cls.secondary_outputs) - set(decl.outputs)
-        extra = set(decl.outputs) - set(stage_cls.secondary_outputs)
-        if missing or extra:
-            raise _fail(
-                path,
-                decl.key,
-                "outputs",
-                f"stage {decl.stage} writes outputs {sorted(stage_cls.secondary_outputs)}; "
-                f"map exactly those to asset keys (missing {sorted(missing)}, "
-                f"unknown {sorted(extra)})",
-            )
-        try:
-            params = stage_cls.Params.model_validate(_with_split(path, decl, stage_cls, parsed))
-        except ValidationError as err:
-            first = err.errors()[0]
-            raise _fail(path, decl.key, _loc(("params", *first["loc"])), first["msg"]) from None
-        roles = set(stage_cls.prompt_roles)
-        if set(decl.prompts) != roles:
-            raise _fail(
-                path,
-                decl.key,
-                "prompts",
-                f"stage {decl.stage} needs prompt templates for roles {sorted(roles)}, "
-                f"got {sorted(decl.prompts)}",
-            )
-        prompts = {}
-        for role, name in decl.prompts.items():
-            try:
-                prompts[role] = PromptTemplate.load(prompts_dir, name)
-            except FileNotFoundError:
-                raise _fail(
-                    path,
-                    decl.key,
-                    f"prompts.{role}",
-                    f"template {name!r} not found in {prompts_dir}",
-                ) from None
-        model = None
-        role = getattr(params, "model", None)
-        if role is not None:
-            if role not in parsed.models:
-                raise _fail(
-                    path,
-                    decl.key,
-                    "params.model",
-                    f"unknown model role {role!r}; the models section declares "
-                    f"{sorted(parsed.models)}",
-                )
-            model = parsed.models[role]
-        declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model, input_names))
 
+def _stage_of(path: Path, decl: AssetDecl, stages: dict[str, type[Stage]]) -> type[Stage]:
+    stage_cls = stages.get(decl.stage)
+    if stage_cls is None:
+        raise _fail(
+            path,
+            decl.key,
+            "stage",
+            f"unknown stage kind {decl.stage!r}; known: {', '.join(sorted(stages))}",
+        )
+    return stage_cls
+
+
+def _claim_outputs(path: Path, decl: AssetDecl, produced: dict[str, str]) -> None:
+    """Record the asset keys `decl` produces in `produced`; each key has one producer."""
+    for out_key in [decl.key, *decl.outputs.values()]:
+        if out_key in produced:
+            raise _fail(
+                path,
+                decl.key,
+                "key" if out_key == decl.key else "outputs",
+                f"asset key {out_key!r} is already produced by {produced[out_key]!r}",
+            )
+        produced[out_key] = decl.key
+
+
+def _check_outputs(path: Path, decl: AssetDecl, stage_cls: type[Stage]) -> None:
+    """The asset maps exactly the secondary outputs its stage kind writes."""
+    missing = set(stage_cls.secondary_outputs) - set(decl.outputs)
+    extra = set(decl.outputs) - set(stage_cls.secondary_outputs)
+    if missing or extra:
+        raise _fail(
+            path,
+            decl.key,
+            "outputs",
+            f"stage {decl.stage} writes outputs {sorted(stage_cls.secondary_outputs)}; "
+            f"map exactly those to asset keys (missing {sorted(missing)}, "
+            f"unknown {sorted(extra)})",
+        )
+
+
+def _params(path: Path, decl: AssetDecl, stage_cls: type[Stage], parsed: PipelineFile) -> BaseModel:
+    try:
+        return stage_cls.Params.model_validate(_with_split(path, decl, stage_cls, parsed))
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise _fail(path, decl.key, _loc(("params", *first["loc"])), first["msg"]) from None
+
+
+def _prompts(
+    path: Path, decl: AssetDecl, stage_cls: type[Stage], prompts_dir: Path
+) -> dict[str, PromptTemplate]:
+    """The templates of exactly the prompt roles the stage kind has."""
+    roles = set(stage_cls.prompt_roles)
+    if set(decl.prompts) != roles:
+        raise _fail(
+            path,
+            decl.key,
+            "prompts",
+            f"stage {decl.stage} needs prompt templates for roles {sorted(roles)}, "
+            f"got {sorted(decl.prompts)}",
+        )
+    prompts = {}
+    for role, name in decl.prompts.items():
+        try:
+            prompts[role] = PromptTemplate.load(prompts_dir, name)
+        except FileNotFoundError:
+            raise _fail(
+                path, decl.key, f"prompts.{role}", f"template {name!r} not found in {prompts_dir}"
+            ) from None
+    return prompts
+
+
+def _model(path: Path, decl: AssetDecl, params: BaseModel, parsed: PipelineFile) -> str | None:
+    """The model id of the role the asset's params name (None: the resource's default)."""
+    role = getattr(params, "model", None)
+    if role is None:
+        return None
+    if role not in parsed.models:
+        raise _fail(
+            path,
+            decl.key,
+            "params.model",
+            f"unknown model role {role!r}; the models section declares {sorted(parsed.models)}",
+        )
+    return parsed.models[role]
+
+
+def _check_upstream(path: Path, declared: list[DeclaredAsset], produced: dict[str, str]) -> None:
     for asset in declared:
         for up in asset.decl.upstream:
             if up not in produced:
                 raise _fail(path, asset.key, "upstream", f"unknown upstream asset {up!r}")
             if up in asset.output_keys():
                 raise _fail(path, asset.key, "upstream", "an asset cannot depend on itself")
-    _check_acyclic(path, declared, produced)
-    return PipelineSpec(path, declared)
 
 
 def _with_split(
