@@ -38,6 +38,9 @@ def test_demo_console_fits_a_screen_per_stage(demo):
         assert " rows" in end and end.endswith(" s")
     assert any("candidate_solutions[demo]: " in line and "tokens/s" in line for line in lines)
     assert any("verified_outputs[demo]: " in line and "sandbox jobs/s" in line for line in lines)
+    # It ends with the evaluation, as `rstar eval` prints it.
+    assert "eval_comparison: " in demo.output and "| round | checkpoint | method |" in demo.output
+    assert "baseline at p < 0.05" in demo.output and "An oracle, not a method" in demo.output
     for noise in ("DEBUG", "STEP_START", "de-quantizing", "it/s]"):
         assert noise not in demo.output
 

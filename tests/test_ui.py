@@ -1,7 +1,8 @@
 """The UI in a real browser, after `rstar demo` (the session's shared demo run): `dagster dev`
-starts on the demo's home, the lineage and verified_outputs pages render with their
-metadata, a materialization launched from the UI succeeds, and the sensors, which tick
-during the test, launch no other run within a minute."""
+starts on the demo's home, the lineage, verified_outputs and eval_comparison pages render
+with their metadata (eval_comparison's plot included), a materialization launched from the
+UI succeeds, and the sensors, which tick during the test, launch no other run within a
+minute."""
 
 import os
 import signal
@@ -169,6 +170,19 @@ def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
             page.get_by_text("share of candidates that agree with the label").first
         ).to_be_visible()
         page.screenshot(path=str(tmp_path / "verified_outputs.png"))
+
+        # eval_comparison: the verdict on significance, and the plot of accuracy by round and
+        # method with its intervals, an inlined PNG the UI shows in a dialog.
+        page.goto(f"{url}/assets/eval_comparison")
+        _dismiss_welcome(page)
+        expect(page.get_by_text("baseline at p < 0.05").first).to_be_visible()
+        row = page.locator("tr", has=page.get_by_text("accuracy_by_round", exact=True))
+        row.get_by_text("[Show Markdown]").click()
+        plot = page.locator('img[alt="accuracy (95% Wilson interval) by round and method"]')
+        expect(plot).to_be_visible()
+        assert plot.evaluate("image => image.complete && image.naturalWidth") > 0
+        page.screenshot(path=str(tmp_path / "eval_comparison.png"))
+        page.get_by_role("button", name="Close").click()
 
         # Launch a materialization from the UI: seed_catalog (nothing downstream of it).
         page.goto(f"{url}/assets/seed_catalog")
