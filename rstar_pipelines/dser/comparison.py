@@ -104,23 +104,34 @@ class EvaluationComparison(Stage):
     version = "3"  # round 0's rows, intervals and paired tests
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
-        base = CheckpointModels(self, ctx, None, None)
-        policy = CheckpointModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
-        grpo = CheckpointModels(self, ctx, checkpoint_path(inputs, "grpo_roc_checkpoint"), None)
-        sources = _sources(inputs, base.policy_name, policy.policy_name, grpo.policy_name)
-        shared = _shared(sources)
-        questions = self._questions(inputs, shared)
-        evaluated = [
-            *self._policy(ctx, 0, base, sources, shared, questions),
-            *self._policy(ctx, self.params.round, policy, sources, shared, questions),
-            *_others(inputs, sources, shared, self.params.round, grpo.policy_name),
-        ]
+        round_ = self.params.round
+        checkpoint = lambda name: CheckpointModels(self, ctx, checkpoint_path(inputs, name), None)  # noqa: E731
+        policy, grpo = checkpoint("policy_checkpoint"), checkpoint("grpo_roc_checkpoint")
+        # The models round r starts from: the base policy (round 0, the declared model) and,
+        # from round 2 on, round r-1's checkpoint as round r-1's mcts_eval evaluated it.
+        starts = [(0, CheckpointModels(self, ctx, None, None), "base_policy_eval")]
+        if round_ > 1:
+            previous = checkpoint("previous_policy_checkpoint")
+            starts.append((round_ - 1, previous, "previous_mcts_eval"))
+        evaluations = {name: models.policy_name for _, models, name in starts}
+        evaluations.update(
+            mcts_eval=policy.policy_name, dser_eval=policy.policy_name, grpo_eval=grpo.policy_name
+        )
+        sources = _sources(inputs, evaluations)
+        problems = self._questions(inputs, _shared(sources))
+        evaluated = []
+        for start_round, models, name in starts:
+            evaluated += self._policy(ctx, start_round, models, sources[name], None, problems)
+        evaluated += self._policy(
+            ctx, round_, policy, sources["mcts_eval"], sources["dser_eval"], problems
+        )
+        evaluated += _others(inputs, sources, list(problems), round_, grpo.policy_name)
         rows = compare(evaluated)
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={
-                "problems": len(shared),
-                "base_policy": base.policy_name,
+                "problems": len(problems),
+                "base_policy": starts[0][1].policy_name,
                 "policy": policy.policy_name,
                 "grpo_roc_policy": grpo.policy_name,
                 **report(rows),
@@ -128,7 +139,8 @@ class EvaluationComparison(Stage):
         )
 
     def _questions(self, inputs: dict[str, pa.Table], shared: list[Key]) -> dict[Key, str]:
-        """The shared problems' questions, once each is proven a held-out verified problem."""
+        """The shared problems' questions, in order, once each is proven a held-out verified
+        problem."""
         verified = {(q.batch, q.id): q for q in verified_problems(inputs, "math")}
         missing = [key[1] for key in shared if key not in verified]
         if missing:
@@ -150,14 +162,16 @@ class EvaluationComparison(Stage):
         ctx: StageContext,
         round_: int,
         models: CheckpointModels,
-        sources: dict[str, dict[Key, dict]],
-        shared: list[Key],
-        questions: dict[Key, str],
+        searched: dict[Key, dict],
+        dser: dict[Key, dict] | None,
+        problems: dict[Key, str],
     ) -> list[Evaluated]:
-        """A policy's rows: greedy, the vote over n samples and the search (mcts_eval, or
-        base_policy_eval for round 0), and DSER from a trained round on."""
-        searched = sources["base_policy_eval" if round_ == 0 else "mcts_eval"]
-        sampled = self._majority_of_n(ctx, models, [(k, questions[k], searched[k]) for k in shared])
+        """A policy's rows: greedy and the search (from its evaluation `searched`), the vote
+        over n samples (sampled here), and DSER where it was evaluated."""
+        shared = list(problems)
+        sampled = self._majority_of_n(
+            ctx, models, [(k, q, searched[k]) for k, q in problems.items()]
+        )
         row = lambda checkpoint, method, outcomes: Evaluated(  # noqa: E731
             round_, checkpoint, method, models.policy_name, outcomes
         )
@@ -165,8 +179,8 @@ class EvaluationComparison(Stage):
             row("policy", "greedy", _outcomes(searched, shared, _greedy)),
             row("policy", f"majority_of_{self.params.sampling.n}", sampled),
         ]
-        if round_ > 0:
-            rows.append(row("policy", "dser", _outcomes(sources["dser_eval"], shared, _dser)))
+        if dser is not None:
+            rows.append(row("policy", "dser", _outcomes(dser, shared, _dser)))
         if any(searched[key]["ppm"] for key in shared):
             rows += [
                 row("policy+ppm", f"mcts_{pick}", _outcomes(searched, shared, _search(pick)))
@@ -241,24 +255,19 @@ def _evaluated(inputs: dict[str, pa.Table], name: str, policy: str) -> list[dict
     return rows
 
 
-def _sources(
-    inputs: dict[str, pa.Table], base: str, policy: str, grpo: str
-) -> dict[str, dict[Key, dict]]:
-    """Every evaluation's math rows by problem, named by where they come from."""
-    sources = {
-        "mcts_eval": _by_problem(_evaluated(inputs, "mcts_eval", policy)),
-        "dser_eval": _by_problem(
-            r for r in _evaluated(inputs, "dser_eval", policy) if r["domain"] == "math"
-        ),
-        "base_policy_eval": _by_problem(_evaluated(inputs, "base_policy_eval", base)),
-    }
-    tool_eval = [r for r in _evaluated(inputs, "grpo_eval", grpo) if r["domain"] == "math"]
-    sources.update(
-        {
-            f"grpo_eval {m}": _by_problem(r for r in tool_eval if r["method"] == m)
-            for m in ("greedy", "tool")
-        }
-    )
+def _sources(inputs: dict[str, pa.Table], policies: dict[str, str]) -> dict[str, dict[Key, dict]]:
+    """Every evaluation's math rows by problem, named by where they come from; each
+    evaluation of the model `policies` names for it."""
+    sources = {}
+    for name, policy in policies.items():
+        rows = [r for r in _evaluated(inputs, name, policy) if r.get("domain", "math") == "math"]
+        if name == "grpo_eval":
+            for method in ("greedy", "tool"):
+                sources[f"grpo_eval {method}"] = _by_problem(
+                    r for r in rows if r["method"] == method
+                )
+        else:
+            sources[name] = _by_problem(rows)
     for gate in rows_of(inputs["attn_gate_eval"]):
         sources[f"attn_gate_eval {gate['setting']}"] = _by_problem(gate["answers"])
     return sources

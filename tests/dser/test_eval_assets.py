@@ -17,6 +17,7 @@ from rstar_pipelines.dser.evolve import DSERProblem, DSERPrompts
 from rstar_pipelines.llm import Completion
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.math.steps import PREAMBLE
+from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.pipeline.stage import StageContext, StageInputError
 from rstar_pipelines.sandbox_resource import SandboxResource
@@ -271,7 +272,7 @@ def _metadata(instance, key):
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
-def test_the_evaluations_and_their_comparison(evaluation):
+def test_the_evaluations_and_their_comparison(evaluation, tmp_path):
     defs, resources, policy, grpo, base = evaluation
     with dg.instance_for_test() as instance:
         instance.add_dynamic_partitions("seed_batches", ["b1"])
@@ -446,6 +447,43 @@ def test_the_evaluations_and_their_comparison(evaluation):
         again = _materialize(defs, resources, instance)
         assert again == first
         assert POLICY.prompts == calls
+    _round_two_starts_from_round_one(tmp_path, first["eval_comparison"])
+
+
+def _round_two_starts_from_round_one(tmp_path, round_one: list[dict]) -> None:
+    """eval_comparison of round 2 (run on round 1's tables as round 2's, for brevity): rows
+    for round 0, for round 1's checkpoint the round starts from (from round 1's mcts_eval, as
+    previous_mcts_eval) and for round 2's own."""
+    text = (REPO / "assets" / "pipeline.yaml").read_text()
+    (tmp_path / "pipeline.yaml").write_text(text.replace("rounds: 1", "rounds: 2"))
+    asset = load_spec(tmp_path / "pipeline.yaml").by_key["eval_comparison_r2"]
+    tables = {}
+    for key, name in asset.input_names.items():
+        tables[name] = query(f"select * from {key.removesuffix('_r2')}")
+    assert {"previous_mcts_eval", "previous_policy_checkpoint"} <= set(tables)
+    # Round 1's item cache: the samples of the vote come from it, seconds included.
+    context = StageContext(
+        None,
+        logging.getLogger("test"),
+        resources={"llm": ScriptedLLMResource()},
+        cache_path=cache_location("eval_comparison", None),
+        cache_namespace=asset.stage_cls.cache_namespace(),
+    )
+    calls = POLICY.prompts
+    table = asset.stage().run(context, tables).table
+    assert POLICY.prompts == calls
+    rows = {(r["round"], r["checkpoint"], r["method"]): r for r in table.to_pylist()}
+    one = {(r["round"], r["checkpoint"], r["method"]): r for r in round_one}
+    starts = {k for k in rows if k[0] == 1}
+    assert starts == {
+        (1, "policy", "greedy"),
+        (1, "policy", "majority_of_4"),
+        (1, "policy+ppm", "mcts_best_q"),
+        (1, "policy+ppm", "mcts_majority"),
+    }
+    assert all(rows[k] == one[k] for k in starts)
+    assert all(rows[0, *k[1:]] == one[0, *k[1:]] for k in one if k[0] == 0)
+    assert {k[1:] for k in rows if k[0] == 2} == {k[1:] for k in one if k[0] == 1}
 
 
 def _context(tmp_path, resources) -> StageContext:
