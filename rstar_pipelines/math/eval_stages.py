@@ -58,7 +58,7 @@ class MCTSEvaluation(SearchStage):
 
     Params = EvalParams
     schema = schemas.MCTS_EVAL
-    version = "2"  # evaluation mode: no gold answer in the search
+    version = "3"  # best-Q ties as the reference breaks them; early-walk trees as the reference's
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params

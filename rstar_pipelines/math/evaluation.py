@@ -5,12 +5,20 @@ from __future__ import annotations
 from rstar_pipelines.math.answers import majority_answer
 from rstar_pipelines.math.mcts import MCTSConfig, Tree
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END
+from rstar_pipelines.math.tree import Node
 
 
 def ranked_answers(tree: Tree) -> list[str]:
-    """The final answers of the tree's answer leaves, highest Q first (ties in
-    generation order)."""
-    leaves = sorted((n for n in tree.answers() if n.final_answer), key=lambda n: n.q, reverse=True)
+    """The final answers of the tree's answer leaves, highest Q first, ties broken as the
+    reference's evaluation breaks them: it reads the tree level by level, each level's nodes
+    sorted by Q (stably, from their parents' order), collects the answer leaves in that order
+    and sorts them by Q stably, so the shallowest tied leaf wins."""
+    leaves: list[Node] = []
+    level = [tree.root]
+    while level:
+        level = sorted((c for n in level for c in n.children), key=lambda n: n.q, reverse=True)
+        leaves.extend(n for n in level if n.is_answer and n.final_answer)
+    leaves.sort(key=lambda n: n.q, reverse=True)
     return [n.final_answer for n in leaves]
 
 

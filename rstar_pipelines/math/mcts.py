@@ -304,8 +304,9 @@ class _Unsettled:
     node: Node
     samples: list[Future]
     received: list[Completion]
-    # Its first answer is in: nothing later can change its child, only that child's token
-    # count, so nothing waits for the rest before the tree ends.
+    steps_left: int  # the rollout's steps after this expansion's
+    # Its first <end_of_answer> sample is in: nothing later can change its child, only that
+    # child's token count, so nothing waits for the rest before the tree ends.
     decided: bool = False
 
 
@@ -316,10 +317,12 @@ class TreeSearch:
     for all the samples of a node it expands: the reference walks on into the node's first open
     child, which is known once that sample and the ones before it are in (new open children are
     unvisited, so their UCT ties at 0 and goes to the first). A later sample can still change
-    it: an answer among them leaves that answer as the only child. So the walk goes on
-    speculatively, the rest of the samples are attached in order when the rollout ends, and an
-    answer among them discards what the walk did below that node; the one reward a rollout
-    backs up (an answer ends it) is applied then. The tree is the reference's."""
+    it: one that stopped at <end_of_answer> is left as the only child (by its stop string, not
+    by a box in its text). So the walk goes on speculatively, the rest of the samples are
+    attached in order when the rollout ends, and such a sample among them discards what the
+    walk did below that node, which the rollout then walks on from as the reference's did. The
+    rollout's answers back up their rewards then, in the order the reference's expansions gave
+    them (shallowest first). The tree is the reference's."""
 
     def __init__(
         self,
@@ -339,35 +342,39 @@ class TreeSearch:
         self.stats = stats or SearchStats()
         self.unsettled: list[_Unsettled] = []
         self.path: list[str] = []  # the node ids the current rollout expanded
-        self.gone: set[int] = set()  # the nodes an early walk undid
+        # The nodes an early walk undid, held (not their ids, which new nodes can reuse).
+        self.gone: set[Node] = set()
         self.rewards: list[tuple[Node, float]] = []  # answers' rewards, backed up when settled
 
     def run(self) -> _Search:
         """`rollouts` rollouts, each of at most `max_depth` steps (the reference's budget): a
         step expands the node reached, if it has no children yet, and moves on to its best
         child; the first move, from the root, is free."""
-        c, root = self.config.c, self.tree.root
+        root = self.tree.root
         for _ in range(self.config.rollouts):
             if root.terminal:
                 break  # every branch is closed
             self.path: list[str] = []
             self.tree.rollout_paths.append(self.path)
-            node = step_down(root, c)
-            for _ in range(self.config.max_depth):
-                if node is None:
-                    break
-                if not node.children:
-                    self.path.append(node.node_id)
-                    yield from self.expand(node)
-                node = step_down(node, c)
+            yield from self._walk(step_down(root, self.config.c), self.config.max_depth)
             yield from self._settle()
         yield from self._settle(final=True)
 
-    def expand(self, node: Node) -> _Search:
+    def _walk(self, node: Node | None, steps: int) -> _Search:
+        """At most `steps` steps of a rollout from `node`."""
+        for step in range(steps):
+            if node is None:
+                break
+            if not node.children:
+                self.path.append(node.node_id)
+                yield from self.expand(node, steps - step - 1)
+            node = step_down(node, self.config.c)
+
+    def expand(self, node: Node, steps_left: int) -> _Search:
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
         if self.early:
             samples = yield _Sample(prompt)
-            unsettled = _Unsettled(node, samples, [])
+            unsettled = _Unsettled(node, samples, [], steps_left)
             self.unsettled.append(unsettled)
             while len(unsettled.received) < len(samples):
                 [sample] = yield _Wait(samples[len(unsettled.received)])
@@ -375,12 +382,11 @@ class TreeSearch:
                 at = len(unsettled.received)
                 if at < len(samples) and samples[at].done():
                     continue  # decide on every sample already in: fewer walks to undo
-                yield from self._attach(node, unsettled.received, len(samples))
+                if (yield from self._attach(node, unsettled.received, len(samples))):
+                    unsettled.decided = True
+                    return  # its first <end_of_answer> sample alone, whatever the rest are
                 if any(not child.terminal for child in node.children):
                     return  # the walk goes on into the first open child
-                if len(node.children) == 1 and node.children[0].is_answer:
-                    unsettled.decided = True
-                    return  # its answer alone, whatever the rest are
             self.unsettled.remove(unsettled)  # every sample in, and no open child
             return
         completions: list[Completion] = yield _Generate(prompt)
@@ -400,16 +406,20 @@ class TreeSearch:
                 else:
                     child.update(value)  # on the new node only: its initial Q
 
-    def _attach(self, node: Node, completions: list[Completion], width: int) -> _Search:
+    def _attach(
+        self, node: Node, completions: list[Completion], width: int, alone: bool = False
+    ) -> Generator[_Request, Any, bool]:
         """The children of `node` from the first of its `width` samples (all of them, or the
         first ones: those already attached are kept, their token counts brought up to date,
-        unless an answer among the samples leaves it the only child)."""
+        unless a sample that stopped at <end_of_answer> is among them and was not attached
+        alone before, `alone`: the post-filter leaves it the only child). Whether the children
+        are that sample alone (no later sample can change them)."""
         config = self.config
         kept = _distinct(completions, config.dedupe, config.blank_samples)
-        attached = node.children
-        if kept and kept[0][0].stop_string == ANSWER_END and attached and not attached[0].is_answer:
+        answered = bool(kept) and kept[0][0].stop_string == ANSWER_END
+        if answered and not alone and node.children:
             self._discard(node)
-            attached = node.children
+        attached = node.children
         for child, (_, tokens) in zip(attached, kept, strict=False):
             child.completion_tokens = tokens
         new = kept[len(attached) :]
@@ -436,44 +446,47 @@ class TreeSearch:
             failed = Node(f"{node.node_id}.1", node, node.depth + 1)
             failed.completion_tokens = sum(c.completion_tokens for c in completions)
             self._fail(failed, NO_VALID_CHILD)
+        return answered
 
     def _settle(self, final: bool = False) -> _Search:
-        """The samples still coming for this rollout's expansions, attached in order (an answer
-        among them discards the walk below), then the rollout's reward backed up. Expansions
-        already decided wait for the tree's end (`final`): only token counts are left."""
+        """The samples still coming for this rollout's expansions, attached in order (one that
+        stopped at <end_of_answer> discards the walk below, and the rollout walks on from there
+        with the steps it had left), then the rollout's rewards backed up. Expansions already
+        decided wait for the tree's end (`final`): only token counts are left."""
         later = []
         while self.unsettled:
             unsettled = self.unsettled.pop(0)
             if unsettled.decided and not final:
                 later.append(unsettled)
                 continue
-            width = len(unsettled.samples)
+            node, width = unsettled.node, len(unsettled.samples)
             while len(unsettled.received) < width:
                 [sample] = yield _Wait(unsettled.samples[len(unsettled.received)])
                 unsettled.received.append(sample)
-            yield from self._attach(unsettled.node, unsettled.received, width)
-        self.unsettled = [u for u in later if id(u.node) not in self.gone]
-        for child, reward in self.rewards:
+            alone = yield from self._attach(node, unsettled.received, width, unsettled.decided)
+            if alone and not unsettled.decided:  # the walk below was undone
+                yield from self._walk(step_down(node, self.config.c), unsettled.steps_left)
+        self.unsettled = [u for u in later if u.node not in self.gone]
+        # The reference backs up each expansion's answers as it makes them, down the rollout's
+        # path: the order decides each ancestor's first value.
+        for child, reward in sorted(self.rewards, key=lambda r: r[0].depth):
             child.backup(reward)
         self.rewards.clear()
 
     def _discard(self, node: Node) -> None:
-        """Undo the walk below `node` (an answer came in among its later samples)."""
-        gone = {id(n) for child in node.children for n in child.walk()}
+        """Undo the walk below `node` (a sample that stopped at <end_of_answer> came in among
+        its later samples)."""
+        gone = {n for child in node.children for n in child.walk()}
         self.gone |= gone
         self.stats.discarded_nodes += len(gone)
-        self.stats.discarded_tokens += sum(
-            n.completion_tokens or 0 for child in node.children for n in child.walk()
-        )
+        self.stats.discarded_tokens += sum(n.completion_tokens or 0 for n in gone)
         node.children.clear()
-        # Its answer alone, which closes it: the walk's next step_down would have said so.
-        node.terminal = True
         for later in self.unsettled:
-            if id(later.node) in gone:
+            if later.node in gone:
                 for future in later.samples:
                     future.cancel()
-        self.unsettled = [u for u in self.unsettled if id(u.node) not in gone]
-        self.rewards = [(n, r) for n, r in self.rewards if id(n) not in gone]
+        self.unsettled = [u for u in self.unsettled if u.node not in gone]
+        self.rewards = [(n, r) for n, r in self.rewards if n not in gone]
         if node.node_id in self.path:
             del self.path[self.path.index(node.node_id) + 1 :]
 

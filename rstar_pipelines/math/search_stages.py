@@ -148,7 +148,7 @@ class MCTSTrajectories(SearchStage):
     Params = SearchStageParams
     schema = schemas.MCTS_TRAJECTORIES
     secondary_outputs: ClassVar[dict[str, pa.Schema]] = {"nodes": schemas.MCTS_NODES}
-    version = "2"  # the reference's search rules (docs/rstar-math.md), seed_id in the rows
+    version = "3"  # early-walk trees the reference's whatever order the samples arrive in
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params

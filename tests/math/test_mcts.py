@@ -7,9 +7,11 @@ from __future__ import annotations
 import math
 import threading
 from collections import Counter
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 
 from rstar_pipelines.llm import Completion
+from rstar_pipelines.math import mcts as mcts_module
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
@@ -87,6 +89,88 @@ class StreamingPolicy(ScriptedPolicy):
             ).start()
             futures.append(future)
         return futures
+
+
+class ArrivingPolicy(ScriptedPolicy):
+    """The scripted policy as a fleet of servers answers it (an `AsyncLLM`), each sample a
+    request of its own (n=1): the k-th ask for a partial solution gets the k-th step of its
+    script. A sample arrives only when the search waits for it (`wait`, put in the search
+    module's place), and `order(n)` picks how many of the n - 1 samples after it in its
+    expansion arrive with it. That is every order an expansion's samples can arrive in, as far
+    as the search can tell: it reads its samples in order, and on each one it reads, whether
+    the ones right after it are in already (`EveryOrder` plays them all)."""
+
+    def __init__(self, script: dict[str, list[str]], order: Callable[[int], int]):
+        super().__init__(script)
+        self.order = order
+        self.asked: Counter[str] = Counter()
+        self.coming: dict[Future, list[Completion]] = {}
+        self.samples: dict[str, list[Future]] = {}  # a prompt's samples, in order
+        self.prompt_of: dict[Future, str] = {}
+
+    def submit(self, prompts, params):
+        futures = []
+        for prompt in prompts:
+            steps = self.script[prompt.removeprefix(self.prefix)]
+            if params.n == 1:
+                steps = [steps[self.asked[prompt]]]
+                self.asked[prompt] += 1
+            future: Future = Future()
+            self.coming[future] = [_completion(s) for s in steps]
+            self.samples.setdefault(prompt, []).append(future)
+            self.prompt_of[future] = prompt
+            futures.append(future)
+        return futures
+
+    def wait(self, futures, timeout=None, return_when=FIRST_COMPLETED):
+        futures = list(futures)
+        if not any(f.done() for f in futures) and all(f in self.coming for f in futures):
+            samples = self.samples[self.prompt_of[futures[0]]]
+            after = samples[samples.index(futures[0]) + 1 :]
+            after = after[: next((i for i, f in enumerate(after) if f not in self.coming), None)]
+            for future in [futures[0], *after[: self.order(len(after) + 1)]]:
+                future.set_result(self.coming.pop(future))
+        return wait(futures, timeout, return_when)
+
+
+class EveryOrder:
+    """The choices of an `ArrivingPolicy`, run after run, until every sequence of them is
+    played (depth first): `next()` moves on to the next one, False when none is left."""
+
+    def __init__(self):
+        self.prefix: list[int] = []
+        self.played: list[tuple[int, int]] = []  # (choice, options) of this run
+
+    def __call__(self, options: int) -> int:
+        at = len(self.played)
+        choice = self.prefix[at] if at < len(self.prefix) else 0
+        self.played.append((choice, options))
+        return choice
+
+    def next(self) -> bool:
+        while self.played:
+            choice, options = self.played.pop()
+            if choice + 1 < options:
+                self.prefix = [c for c, _ in self.played] + [choice + 1]
+                self.played = []
+                return True
+        return False
+
+
+class MemoSandbox:
+    """The sandbox, each program run once: a search replayed in every order runs the same
+    programs over and over."""
+
+    def __init__(self, sandbox):
+        self.sandbox = sandbox
+        self.results: dict[str, object] = {}
+
+    def run(self, jobs):
+        new = [job for job in jobs if job.code not in self.results]
+        self.results.update(
+            (job.code, r) for job, r in zip(new, self.sandbox.run(new), strict=True)
+        )
+        return [self.results[job.code] for job in jobs]
 
 
 def padded(script: dict[str, list[str]], width: int) -> dict[str, list[str]]:
@@ -372,3 +456,78 @@ def test_only_a_policy_whose_engine_serves_each_request_walks_early(sandbox):
     behind_counter = MCTSSearch(CountingLLM(fleet), sandbox, config, prompt=PROMPT)
     behind_counter.run([PROBLEM])
     assert behind_counter.stats.discarded_nodes >= 3
+
+
+def every_early_tree(sandbox, monkeypatch, script, config) -> int:
+    """Checks the early walk's tree against the lock-step tree in every order its samples can
+    arrive in (`ArrivingPolicy`); the number of orders played."""
+    sandbox = MemoSandbox(sandbox)
+    lockstep = config.model_copy(update={"lockstep": True})
+    [reference] = search([PROBLEM], ScriptedPolicy(script), sandbox, lockstep, prompt=PROMPT)
+    orders, played = EveryOrder(), 0
+    while True:
+        policy = ArrivingPolicy(script, orders)
+        monkeypatch.setattr(mcts_module, "wait", policy.wait)
+        [tree] = MCTSSearch(policy, sandbox, config, prompt=PROMPT).run([PROBLEM])
+        arrivals = [choice for choice, _ in orders.played]
+        assert tree.nodes.to_pylist() == reference.nodes.to_pylist(), arrivals
+        assert tree.rollout_paths == reference.rollout_paths, arrivals
+        played += 1
+        if not orders.next():
+            return played
+
+
+# A step that holds an answer but stopped at <end_of_step>: an answer terminal (the parser reads
+# `boxed`), which the post-filter does not keep alone (only an <end_of_answer> stop is).
+G = "\nSo the answer is \\boxed{6}\n" + STEP_END
+# An <end_of_answer> stop without a box: kept alone, yet a code step (it closes the block and
+# prints 5) that the walk goes on into.
+NOBOX = "\nprint(x)\n" + CODE_END + "\nThe answer is 5" + ANSWER_END
+EARLY = MCTSConfig(rollouts=2, width=3, max_depth=4, errors_threshold=1)
+
+
+def test_a_sample_is_alone_by_its_stop_string_not_its_box(sandbox, monkeypatch):
+    # The root's first sample G is an answer (-1) that stopped at <end_of_step>: the others
+    # stay beside it, and the rollout walks on into A, the first open child. The walk must
+    # not close the root on G alone.
+    script = padded({**SCRIPT, "": [G, A, B]}, 3)
+    every_early_tree(sandbox, monkeypatch, script, EARLY)
+    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    assert [c.node_id for c in tree.root.children] == ["0.1", "0.2", "0.3"]
+    assert tree.rollout_paths[0] == ["0", "0.2", "0.2.1"]
+
+
+def test_a_later_end_of_answer_sample_discards_a_boxed_first_child(sandbox, monkeypatch):
+    # G is attached first, A walked into; then F, stopped at <end_of_answer>, comes in: the
+    # post-filter keeps F alone (+1), whatever the first attached child was.
+    script = padded({**SCRIPT, "": [G, A, F]}, 3)
+    every_early_tree(sandbox, monkeypatch, script, EARLY)
+    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    assert state(tree) == {"0": (1, 1.0), "0.1": (1, 1.0)}
+
+
+def test_a_late_end_of_answer_step_without_a_box_is_walked_into(sandbox, monkeypatch):
+    # A's third sample stopped at <end_of_answer> but holds no box: alone, and open. The walk
+    # into A's first sample is undone, and the rollout goes on into A's only child with the
+    # steps it had left, as the reference's does.
+    script = padded({**SCRIPT, A: [D, E, NOBOX], A + NOBOX + OUT5: [F]}, 3)
+    every_early_tree(sandbox, monkeypatch, script, EARLY)
+    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    assert tree.rollout_paths[0] == ["0", "0.1", "0.1.1"]
+    assert tree.root.children[0].children[0].text == NOBOX + OUT5
+    assert state(tree)["0.1.1.1"] == (1, 1.0)
+
+
+def test_early_trees_are_the_lockstep_trees_in_every_arrival_order(sandbox, monkeypatch):
+    # Small trees, every order their samples can arrive in: the golden tree, answers of
+    # both stop strings beside and among open steps, and answers that come in late beside
+    # a deeper walk's (backed up in the reference's order: it sets the ancestors' first value).
+    config = EARLY.model_copy(update={"rollouts": 3})
+    scripts = [
+        padded(SCRIPT, 3),
+        padded({**SCRIPT, "": [A, B, F]}, 3),
+        padded({**SCRIPT, "": [A, G, B], A: [D, G, E]}, 3),
+        padded({**SCRIPT, "": [B, A, G], B: [H, D, F]}, 3),
+    ]
+    played = [every_early_tree(sandbox, monkeypatch, s, config) for s in scripts]
+    assert min(played) > 1

@@ -231,6 +231,22 @@ def test_evaluation_without_a_ppm_values_nothing(sandbox):
     assert all(n.visits == 0 and n.value is None for n in tree.answers())
 
 
+def test_best_q_ties_go_to_the_shallowest_answer(sandbox):
+    # Two answers valued 0.5 by the PPM: 6, a boxed step at depth 1 (it stopped at
+    # <end_of_step>, so A stays beside it), and 5 at depth 3 below A. The reference reads the
+    # tree level by level and sorts stably: 6 first (depth first, generation order, gives 5).
+    shallow = "\nSo the answer is \\boxed{6}\n" + STEP_END
+    script = {"": [A, shallow], A: [D], A + D + OUT5: [F]}
+    values = {A: 0.1, shallow: 0.5, A + D + OUT5: 0.3, A + D + OUT5 + F: 0.5}
+    ppm = ScriptedPPM(values)
+    tree, _ = grow(sandbox, script, answer=None, ppm=ppm, rollouts=1, width=2, max_depth=4)
+    assert [(n.node_id, n.q) for n in tree.answers()] == [("0.1.1.1", 0.5), ("0.2", 0.5)]
+    from rstar_pipelines.math.evaluation import best_q_answer, ranked_answers
+
+    assert ranked_answers(tree) == ["6", "5"]
+    assert best_q_answer(tree) == "6"
+
+
 # -- running a step: the reference's interpreter ------------------------------------------------
 
 
