@@ -73,10 +73,6 @@ class Evaluated:
     model: str
     outcomes: list[Outcome]
 
-    @property
-    def label(self) -> str:
-        return f"round {self.round} {self.checkpoint} {self.method}"
-
 
 class ComparisonParams(StageParams):
     model: str  # the policy's model role: the base policy, round 0
@@ -89,13 +85,14 @@ class ComparisonParams(StageParams):
 
 
 class EvaluationComparison(Stage):
-    """The base policy (round 0: greedy, a plurality vote over n samples of DSER's
-    first-solution prompt, the search without a PPM) and the round's trained checkpoints on
-    the held-out math problems their evaluations share: the SFT policy greedy, by the vote
-    over n samples (sampled here) and with DSER; the PPM-guided search; the GRPO-RoC policy
-    greedy without and with its tool; the attention gates' base model dense and sparse. Each
-    with its accuracy and 95% Wilson interval, its paired difference from round 0 on the same
-    problems with an exact McNemar p-value, and what it spent per problem."""
+    """On the held-out math problems their evaluations share: the base policy (round 0:
+    greedy, a plurality vote over n samples of DSER's first-solution prompt, the search
+    without a PPM); from round 2 on, the checkpoint the round starts from (round r-1's:
+    greedy, the vote, its search); and the round's trained checkpoints: the SFT policy greedy,
+    by the vote and with DSER; the PPM-guided search; the GRPO-RoC policy greedy without and
+    with its tool; the attention gates' base model dense and sparse. Each with its accuracy
+    and 95% Wilson interval, its paired difference from round 0 on the same problems with an
+    exact McNemar p-value, and what it spent per problem."""
 
     Params = ComparisonParams
     schema = schemas.EVAL_COMPARISON
