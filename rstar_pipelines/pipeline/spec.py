@@ -19,7 +19,6 @@ from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.pipeline.stage import Stage
 
-PARTITIONINGS = ("seed_batches", "none")
 AssetKeyStr = Field(pattern=r"^[a-z][a-z0-9_]*$")
 
 
