@@ -14,6 +14,7 @@ from rstar_pipelines.dser.stages import DSEREvaluation
 from rstar_pipelines.math.eval_stages import MCTSEvaluation
 from rstar_pipelines.math.search_stages import MCTSTrajectories, PreferencePairs, SFTDataset
 from rstar_pipelines.pipeline.stage import Stage
+from rstar_pipelines.problems import ProblemGrouping
 from rstar_pipelines.seeds.stages import SeedCatalog, SeedIngestion
 from rstar_pipelines.training.agent_stages import GRPORoCCheckpoint, GRPORoCData
 from rstar_pipelines.training.gate_stages import (
@@ -29,6 +30,7 @@ STAGES: dict[str, type[Stage]] = {
         SeedIngestion,
         SeedCatalog,
         ProblemSynthesis,
+        ProblemGrouping,
         TestInputGeneration,
         CandidateSolutions,
         MutualVerification,

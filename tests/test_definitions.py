@@ -62,6 +62,7 @@ def test_sensors_and_schedule_are_declared_running():
     job = defs.resolve_job_def(schedule.job_name)
     assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == {
         "seed_catalog",
+        "problem_groups",
         "ppm_pairs",
         "sft_dataset",
         "grpo_roc_data",

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import hashlib
 import re
-import unicodedata
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from rstar_pipelines.coder.extract import fenced_blocks
+from rstar_pipelines.heldout import normalized_text
 
 __all__ = [
     "MAX_STATEMENT_CHARS",
@@ -40,19 +40,9 @@ class ParseFailure:
     reason: str
 
 
-# Operators stay: "x-1" and "x 1", "-5" and "5", "3/8" and "3 8" are different problems.
-_KEPT_PUNCTUATION = frozenset("-/*%")
-
-
 def normalized_text_hash(text: str) -> str:
     """A near-duplicate key: equal for texts that differ only in case, spacing or punctuation."""
-    text = unicodedata.normalize("NFKC", text).casefold()
-    # Punctuation becomes a space rather than nothing, so "3.5" and "35" stay apart.
-    text = "".join(
-        " " if unicodedata.category(c).startswith("P") and c not in _KEPT_PUNCTUATION else c
-        for c in text
-    )
-    return hashlib.sha256(" ".join(text.split()).encode("utf-8")).hexdigest()[:16]
+    return hashlib.sha256(normalized_text(text).encode("utf-8")).hexdigest()[:16]
 
 
 # The worked examples inside the synthesis templates: a small model copies them verbatim.

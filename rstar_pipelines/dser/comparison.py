@@ -146,7 +146,7 @@ class EvaluationComparison(Stage):
                 f"problems of verified_outputs any more: re-materialize the evaluations"
             )
         split = self.params.heldout
-        trained_on = [key[1] for key in shared if not split.is_heldout(verified[key].seed_id)]
+        trained_on = [key[1] for key in shared if not split.is_heldout(verified[key].group)]
         if trained_on:
             raise StageInputError(
                 f"eval_comparison: problems {trained_on} are on the training side of the "

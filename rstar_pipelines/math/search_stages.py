@@ -30,6 +30,7 @@ from rstar_pipelines.pipeline.stage import (
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
     VerifiedProblem,
+    groups_of,
     no_heldout_check,
     on_side,
     seeds_of,
@@ -239,13 +240,13 @@ class TrainingTableParams(StageParams):
 def training_trees(
     inputs: dict[str, pa.Table], split: HeldoutSplit
 ) -> tuple[list[StoredTree], dict[str, str], int]:
-    """The searched trees of the training side, the lineage (problem -> seed) of
-    synthesized_problems, and how many trees were left out as held-out (none, when the search
+    """The searched trees of the training side, the near-duplicate groups of problem_groups
+    (problem -> group), and how many trees were left out as held-out (none, when the search
     kept to its side)."""
-    lineage = seeds_of(inputs["synthesized_problems"])
+    groups = groups_of(inputs["problem_groups"])
     trees = stored_trees(inputs["mcts_nodes"])
-    kept = [t for t in trees if not split.is_heldout(lineage.get(t.tree.problem.id, t.seed_id))]
-    return kept, lineage, len(trees) - len(kept)
+    kept = [t for t in trees if not split.is_heldout(groups.get(t.tree.problem.id, t.seed_id))]
+    return kept, groups, len(trees) - len(kept)
 
 
 class PairParams(TrainingTableParams):
@@ -269,7 +270,7 @@ class PreferencePairs(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        trees, lineage, left_out = training_trees(inputs, p.heldout)
+        trees, groups, left_out = training_trees(inputs, p.heldout)
         rows = []
         for stored in trees:
             tree = stored.tree
@@ -305,7 +306,7 @@ class PreferencePairs(Stage):
                     value_range=(0, 2),
                 ),
             },
-            checks=[no_heldout_check(rows, lineage, p.heldout)],
+            checks=[no_heldout_check(rows, groups, p.heldout)],
         )
 
 
@@ -327,7 +328,7 @@ class SFTDataset(Stage):
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
         user = self.prompts["policy"]
-        trees, lineage, left_out = training_trees(inputs, p.heldout)
+        trees, groups, left_out = training_trees(inputs, p.heldout)
         rows = []
         for stored in trees:
             tree = stored.tree
@@ -352,10 +353,11 @@ class SFTDataset(Stage):
                 )
         from_trees = len(rows)
         solutions = rows_of(inputs["verified_solutions"])
+        lineage = seeds_of(inputs["synthesized_problems"])
         kept = [
             r
             for r in solutions
-            if r["problem_id"] in lineage and not p.heldout.is_heldout(lineage[r["problem_id"]])
+            if r["problem_id"] in groups and not p.heldout.is_heldout(groups[r["problem_id"]])
         ]
         for r in kept:
             rows.append(
@@ -363,7 +365,7 @@ class SFTDataset(Stage):
                     "id": r["id"],
                     "source": "verified_solutions",
                     "problem_id": r["problem_id"],
-                    "seed_id": lineage[r["problem_id"]],
+                    "seed_id": lineage.get(r["problem_id"]),
                     "batch": r["batch"],
                     "round": p.round,
                     "domain": r["domain"],
@@ -380,5 +382,5 @@ class SFTDataset(Stage):
                 "heldout_trees_left_out": left_out,
                 "heldout_solutions_left_out": len(solutions) - len(kept),
             },
-            checks=[no_heldout_check(rows, lineage, p.heldout)],
+            checks=[no_heldout_check(rows, groups, p.heldout)],
         )

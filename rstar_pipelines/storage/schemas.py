@@ -126,6 +126,28 @@ SYNTHESIZED_PROBLEMS = contract(
     ]
 )
 
+PROBLEM_GROUPS = contract(
+    [
+        ("problem_id", pa.string(), "a problem (or seed) of synthesized_problems, any batch"),
+        ("batches", pa.list_(pa.string()), "the seed batches that hold it"),
+        ("domain", pa.string(), "math or code"),
+        ("seed_id", pa.string(), "the seed it was written from (a seed: its own id)"),
+        (
+            "group_id",
+            pa.string(),
+            "its near-duplicate group: the smallest seed id in it, the key the split hashes",
+        ),
+        ("group_size", pa.int64(), "problems in the group"),
+        ("heldout", pa.bool_(), "whether the group is on the held-out side of the split"),
+        (
+            "duplicate_of",
+            pa.string(),
+            "the problem it was found to duplicate (null: grouped by its seed alone)",
+        ),
+        ("similarity", pa.float64(), "how alike their normalized texts are (1: the same)"),
+    ]
+)
+
 SCALE = pa.struct([("name", pa.string()), ("value", pa.int64())])
 
 TEST_INPUTS = contract(

@@ -23,9 +23,9 @@ from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, Sta
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
     first_of_each_domain,
+    groups_of,
     no_heldout_check,
     on_side,
-    seeds_of,
     verified_problems,
 )
 from rstar_pipelines.storage import schemas
@@ -71,7 +71,7 @@ class GRPORoCData(Stage):
             }
             for q in problems
         ]
-        lineage = seeds_of(inputs["synthesized_problems"])
+        groups = groups_of(inputs["problem_groups"])
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={
@@ -80,7 +80,7 @@ class GRPORoCData(Stage):
                 "code": sum(r["domain"] == "code" for r in rows),
                 "heldout_problems_left_out": len(found) - len(on_side(found, p.heldout, False)),
             },
-            checks=[no_heldout_check(rows, lineage, p.heldout, problem_key="id")],
+            checks=[no_heldout_check(rows, groups, p.heldout, problem_key="id")],
         )
 
 

@@ -29,6 +29,9 @@ from rstar_pipelines.pipeline.stage import (
 )
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
+    ProblemFreeSource,
+    groups_of,
+    heldout_texts,
     no_heldout_check,
     seeds_of,
     verified_problems,
@@ -36,6 +39,8 @@ from rstar_pipelines.problems import (
 from rstar_pipelines.storage import schemas
 from rstar_pipelines.training.gate import GateTrainSettings
 from rstar_pipelines.training.stages import TrainingParams, TrainingStage, _local_model
+
+FILE_SOURCE = "file"  # the `source` of text_file's rows, which name no problem
 
 
 class GateDataParams(StageParams):
@@ -59,9 +64,10 @@ def problem_texts(
     """The chats of one side of the split: each verified solution (problem, then solution), and
     with `seed_solutions` each code seed with its first oracle solution."""
     lineage = seeds_of(inputs["synthesized_problems"])
+    groups = groups_of(inputs["problem_groups"])
 
     def on_this_side(problem_id: str) -> bool:
-        return problem_id in lineage and split.is_heldout(lineage[problem_id]) == heldout
+        return problem_id in groups and split.is_heldout(groups[problem_id]) == heldout
 
     rows = [
         _chat_row(
@@ -87,7 +93,7 @@ class GateDistillData(Stage):
     Params = GateDataParams
     schema = schemas.GATE_DISTILL_DATA
     checks = (NO_HELDOUT_CHECK,)
-    version = "2"  # the training side of the split only, seed_id, the split's check
+    version = "3"  # the split over near-duplicate groups; the file's texts checked
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
@@ -96,11 +102,16 @@ class GateDistillData(Stage):
             rows += _file_rows(settings.resolve_data_path(p.text_file))
         rows = rows[: p.max_texts]
         counts = Counter(r["source"] for r in rows)
-        lineage = seeds_of(inputs["synthesized_problems"])
+        groups = groups_of(inputs["problem_groups"])
+        # The file's texts name no problem: declared problem-free, and proven so against the
+        # text of every held-out problem.
+        files = ProblemFreeSource(
+            FILE_SOURCE, heldout_texts(inputs["synthesized_problems"], groups, p.heldout)
+        )
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={"texts": len(rows), **{f"from_{k}": v for k, v in sorted(counts.items())}},
-            checks=[no_heldout_check(rows, lineage, p.heldout)],
+            checks=[no_heldout_check(rows, groups, p.heldout, problem_free=files)],
         )
 
 
@@ -159,7 +170,7 @@ def _file_rows(path: Path) -> list[dict[str, Any]]:
         rows.append(
             {
                 "id": str(record.get("id") or f"{path.name}:{number}"),
-                "source": "file",
+                "source": FILE_SOURCE,
                 "problem_id": None,
                 "seed_id": None,
                 "domain": None,
@@ -246,7 +257,7 @@ class AttnGateEvaluation(Stage):
             raise StageInputError("attn_gate_checkpoint has no row: train the gates first")
         gates_path, base = rows[-1]["path"], rows[-1]["base_model"]
         texts = problem_texts(inputs, p.heldout, heldout=True, seed_solutions=True)[: p.max_texts]
-        math = [q for q in verified_problems(inputs, "math") if p.heldout.is_heldout(q.seed_id)]
+        math = [q for q in verified_problems(inputs, "math") if p.heldout.is_heldout(q.group)]
         math = math[: p.max_problems]
         if not texts and not math:
             raise StageInputError(

@@ -173,10 +173,20 @@ def _write_upstream(tmp_path, tiny_base) -> str:
                     "labels": list(CODE.labels) if domain == "code" else [],
                 }
             )
+    # Each problem its own group: they share a text only so that the scripted policy knows them.
+    groups = [
+        {"problem_id": p["id"], "batches": ["b1"], "domain": p["domain"], "seed_id": p["id"]}
+        | {"group_id": p["id"], "group_size": 1, "heldout": SPLIT.is_heldout(p["id"])}
+        for p in problems
+    ]
     lake = settings.lake_dir()
     write_table(
         pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
         lake / "synthesized_problems" / "b1.parquet",
+    )
+    write_table(
+        pa.Table.from_pylist(groups, schema=schemas.PROBLEM_GROUPS),
+        lake / "problem_groups.parquet",
     )
     write_table(
         pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
@@ -505,6 +515,9 @@ def test_no_heldout_problem_is_a_clear_error(tmp_path):
     ]
     inputs = {
         "synthesized_problems": pa.Table.from_pylist(problems),
+        "problem_groups": pa.Table.from_pylist(
+            [{"problem_id": i, "group_id": i} for i in TRAIN[:3]]
+        ),
         "verified_outputs": pa.Table.from_pylist(verified),
         "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
     }

@@ -70,8 +70,8 @@ FAST = "What is 1 + 4?"
 SCRIPTS = {QUESTION: SCRIPT, FAST: {"": [F]}}
 SEARCH = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
 PROBLEMS = [
-    VerifiedProblem("slow", "slow", "b1", "math", QUESTION, "5"),
-    VerifiedProblem("fast", "fast", "b1", "math", FAST, "5"),
+    VerifiedProblem("slow", "slow", "slow", "b1", "math", QUESTION, "5"),
+    VerifiedProblem("fast", "fast", "fast", "b1", "math", FAST, "5"),
 ]
 
 
@@ -172,10 +172,20 @@ def _write_upstream(batch: str) -> None:
         }
         for i in ids
     ]
+    # Each problem its own group: they share a text only so that the scripted policy knows them.
+    split = load_spec().by_key["mcts_eval"].params.heldout
+    groups = [
+        {"problem_id": i, "batches": [batch], "domain": "math", "seed_id": i, "group_id": i}
+        | {"group_size": 1, "heldout": split.is_heldout(i)}
+        for i in ids
+    ]
     lake = settings.lake_dir()
     write_table(
         pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
         lake / "synthesized_problems" / f"{batch}.parquet",
+    )
+    write_table(
+        pa.Table.from_pylist(groups, schema=schemas.PROBLEM_GROUPS), lake / "problem_groups.parquet"
     )
     write_table(
         pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
@@ -218,6 +228,7 @@ def test_two_self_evolution_rounds(two_rounds):
         "seed_problems",
         "seed_catalog",
         "synthesized_problems",
+        "problem_groups",
         "test_inputs",
         "candidate_solutions",
         "verified_outputs",

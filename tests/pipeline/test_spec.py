@@ -154,12 +154,14 @@ def test_rounds_repeat_the_per_round_assets(tmp_path):
     assert third.input_names == {
         "verified_outputs": "verified_outputs",
         "synthesized_problems": "synthesized_problems",
+        "problem_groups": "problem_groups",
         "policy_checkpoint_r2": "previous_policy_checkpoint",
         "ppm_checkpoint_r2": "previous_ppm_checkpoint",
     }
     assert spec.by_key["ppm_pairs_r3"].input_names == {
         "mcts_nodes_r3": "mcts_nodes",
         "synthesized_problems": "synthesized_problems",
+        "problem_groups": "problem_groups",
     }
     # later_rounds overrides params from round 2 on, nested mappings key by key.
     first, later = spec.by_key["mcts_trajectories"].params, third.params

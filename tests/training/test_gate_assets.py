@@ -58,13 +58,15 @@ def _solution_row(i: int, problem_id: str, batch: str) -> dict:
     }
 
 
-def _problem(problem_id: str, batch: str, domain: str, text: str, oracle: list[str]) -> dict:
+def _problem(
+    problem_id: str, batch: str, domain: str, text: str, oracle: list[str], answer=None
+) -> dict:
     return {
         "id": problem_id,
         "batch": batch,
         "domain": domain,
         "problem": text,
-        "answer": None,
+        "answer": answer,
         "oracle_solutions": oracle,
         "examples": [],
         "time_limit_s": None,
@@ -79,12 +81,15 @@ def _write_upstream(batch: str) -> None:
     verified solution (its problem verified too, with its answer) and a code seed."""
     solved = [*TRAIN[:5], HELDOUT[0]]
     solutions = [_solution_row(i, pid, batch) for i, pid in enumerate(solved)]
+    # Their answers differ, so the alike texts are not near-duplicates (one group, one side).
     problems = [
-        _problem(pid, batch, "math", f"What is {i} + 11?", []) for i, pid in enumerate(solved)
+        _problem(pid, batch, "math", f"What is {i} + 11?", [], str(i + 11))
+        for i, pid in enumerate(solved)
     ]
+    texts = {3: "Print the sum of 1 to 3.", 4: "Add up the whole numbers from one to four."}
     for pid, n in ((TRAIN[5], 3), (HELDOUT[1], 4)):
         oracle = [f"print(sum(range(1, {n + 1})))\n", "print(6)"]
-        problems.append(_problem(pid, batch, "code", f"Print the sum of 1 to {n}.", oracle))
+        problems.append(_problem(pid, batch, "code", texts[n], oracle))
     verified = [
         {
             "problem_id": HELDOUT[0],
@@ -113,8 +118,8 @@ def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
     assert "      train:\n        steps: 30\n" in text
     text = text.replace("      train:\n        steps: 30\n", "      train:\n        steps: 12\n")
     text = text.replace(
-        "    upstream: [verified_solutions, synthesized_problems]\n",
-        "    upstream: [verified_solutions, synthesized_problems]\n    params:\n"
+        "    upstream: [verified_solutions, synthesized_problems, problem_groups]\n",
+        "    upstream: [verified_solutions, synthesized_problems, problem_groups]\n    params:\n"
         "      text_file: extra/texts.jsonl\n",
     )
     # One budget of a single block, one covering every text.
@@ -134,7 +139,12 @@ def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         result = dg.materialize(
             list(defs.assets),
-            selection=["gate_distill_data", "attn_gate_checkpoint", "attn_gate_eval"],
+            selection=[
+                "problem_groups",
+                "gate_distill_data",
+                "attn_gate_checkpoint",
+                "attn_gate_eval",
+            ],
             instance=instance,
             resources=dict(defs.resources),
         )

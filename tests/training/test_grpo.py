@@ -342,8 +342,11 @@ def _write_upstream(tiny_base: str) -> None:
         for i in ids:
             text = f"What is {IDS.index(i)} + 1?" if domain == "math" else CODE_Q
             seed = HELDOUT[1] if i == OFFSPRING else i
+            # With its answer, so alike math texts are not near-duplicates of one another.
+            answer = str(IDS.index(i) + 1) if domain == "math" else None
             problems.append(
                 {"id": i, "batch": "b1", "domain": domain, "problem": text, "seed_id": seed}
+                | {"answer": answer}
             )
             verified.append(
                 {
@@ -382,7 +385,7 @@ def test_grpo_roc_checkpoint_asset(tiny_base, monkeypatch):
         instance.add_dynamic_partitions("seed_batches", ["b1"])
         result = dg.materialize(
             list(defs.assets),
-            selection=["grpo_roc_data", "grpo_roc_checkpoint"],
+            selection=["problem_groups", "grpo_roc_data", "grpo_roc_checkpoint"],
             instance=instance,
             resources=dict(defs.resources),
         )
