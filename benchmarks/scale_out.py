@@ -2,7 +2,7 @@
 service through haproxy against the in-process pool.
 
 1. The verification chain of a scripted-model batch (the fake model of
-   tests/coder/test_chain_scripted.py, so only orchestration and sandbox work are
+   tests/fakes/coder.py, so only orchestration and sandbox work are
    measured), thousands of sandbox executions: `dagster asset materialize` with
    RSTAR_DEPLOYMENT=local (SQLite instance, multiprocess executor) against
    RSTAR_DEPLOYMENT=hosts (Postgres, Redis, two `rstar worker`s), cold caches each time.
@@ -37,9 +37,9 @@ from rstar_pipelines.deployment.instance import init_instance  # noqa: E402
 from rstar_pipelines.storage import read_table  # noqa: E402
 from rstar_sandbox import Job, Sandbox  # noqa: E402
 from rstar_sandbox.bench import machine  # noqa: E402
-from tests.coder.test_chain_scripted import SEEDS, scripted_spec  # noqa: E402
+from tests.fakes.coder import CHAIN, SEEDS, scripted_spec  # noqa: E402
+from tests.fakes.coder_location import materialize  # noqa: E402
 from tests.scale_out import servers  # noqa: E402
-from tests.scale_out.scripted_defs import CHAIN, materialize  # noqa: E402
 
 ECHO = "print(input())\n"
 

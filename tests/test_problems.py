@@ -21,7 +21,7 @@ from rstar_pipelines.problems import (
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from rstar_sandbox import Sandbox
-from tests.math.test_mcts import ScriptedPolicy
+from tests.fakes.math import StepPolicy
 
 SPLIT = HeldoutSplit(fraction=0.2, salt="rstar-heldout-1")
 IDS = [f"p{i}" for i in range(60)]
@@ -170,7 +170,7 @@ def _write_upstream() -> list[str]:
     with Sandbox(backend="process", workers=2) as sandbox:
         trees = search(
             [Problem(i, "What is 2 + 3?", "5") for i in ids],
-            ScriptedPolicy(),
+            StepPolicy(),
             sandbox,
             config,
             prompt=prompt,

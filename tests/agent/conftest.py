@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from rstar_sandbox import Sandbox
+from tests.fakes.sandbox import CountingSandbox
 from tests.sandbox.conftest import require_backend
 
 
@@ -12,18 +13,6 @@ def sandbox():
     require_backend("process")
     with Sandbox(backend="process", workers=2) as sb:
         yield sb
-
-
-class CountingSandbox:
-    """A sandbox that records the jobs of every `run` call."""
-
-    def __init__(self, sandbox: Sandbox):
-        self.sandbox = sandbox
-        self.batches: list[list] = []
-
-    def run(self, jobs):
-        self.batches.append(list(jobs))
-        return self.sandbox.run(jobs)
 
 
 @pytest.fixture

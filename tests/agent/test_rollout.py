@@ -15,54 +15,12 @@ from pydantic import ValidationError
 from rstar_pipelines.agent.format import agent_prompt
 from rstar_pipelines.agent.reward import AgentProblem, rewards
 from rstar_pipelines.agent.rollout import RolloutConfig, ToolCall, run_rollouts
-from rstar_pipelines.llm import Completion
 from rstar_pipelines.pipeline.prompts import PromptTemplate
+from tests.fakes.agent import AgentPolicy, call, response
 
 PROMPTS = Path(__file__).resolve().parents[2] / "assets" / "prompts"
 SYSTEM = PromptTemplate.load(PROMPTS, "agent_system.jinja")
 USER = PromptTemplate.load(PROMPTS, "agent_user.jinja")
-
-
-def call(code: str, stdin: str | None = None) -> str:
-    arguments = {"code": code} if stdin is None else {"code": code, "input": stdin}
-    return f"<tool_call>\n{json.dumps({'name': 'python', 'arguments': arguments})}\n</tool_call>"
-
-
-def response(*outputs: str) -> str:
-    return "\n".join(f"<tool_response>\n{o}\n</tool_response>" for o in outputs)
-
-
-class ScriptedPolicy:
-    """Replies by the first rule whose marker is in the conversation's last message: one reply
-    per sample (cycled when there are fewer). One token per character; a reply longer than
-    max_tokens is cut there, as a model's would be."""
-
-    name = "scripted"
-
-    def __init__(self, rules: list[tuple[str, list[str]]]):
-        self.rules = rules
-        self.calls: list[tuple[list, object]] = []  # (prompts, params) of every generate call
-
-    def generate(self, prompts, params):
-        self.calls.append((list(prompts), params))
-        return [
-            [self._complete(t, params.max_tokens) for t in self._replies(p, params.n)]
-            for p in prompts
-        ]
-
-    def _replies(self, chat, n: int) -> list[str]:
-        last = chat[-1]
-        assert last["role"] == "user", "a turn always starts after a user message"
-        for marker, replies in self.rules:
-            if marker in last["content"]:
-                return [replies[i % len(replies)] for i in range(n)]
-        raise AssertionError(f"no rule for {last['content']!r}")
-
-    @staticmethod
-    def _complete(text: str, max_tokens: int) -> Completion:
-        if len(text) > max_tokens:
-            return Completion(text[:max_tokens], "length", None, 0, max_tokens)
-        return Completion(text, "eos", None, 0, len(text))
 
 
 QUESTION = "What is seven times six divided by 84?"
@@ -77,7 +35,7 @@ def prompt(question: str = QUESTION, domain: str = "math") -> list[dict]:
 
 
 def test_call_error_retry_answer(counting_sandbox):
-    policy = ScriptedPolicy(RETRY)
+    policy = AgentPolicy(RETRY)
     config = RolloutConfig(timeout_s=3.0, memory_mb=128)
     [[trajectory]] = run_rollouts(policy, counting_sandbox, [prompt()], 1, config, seed=5)
 
@@ -129,7 +87,7 @@ def test_call_error_retry_answer(counting_sandbox):
 def test_malformed_call_gets_the_decode_error_and_runs_nothing(counting_sandbox):
     broken = '<tool_call>\n{"name": "python", "arguments": {"code": "print(1)"}\n</tool_call>'
     answer = "<answer>\\boxed{1}</answer>"
-    policy = ScriptedPolicy([(QUESTION, [broken]), ("Failed to decode", [answer])])
+    policy = AgentPolicy([(QUESTION, [broken]), ("Failed to decode", [answer])])
     [[trajectory]] = run_rollouts(policy, counting_sandbox, [prompt()], 1, RolloutConfig())
 
     with pytest.raises(json.JSONDecodeError) as err:
@@ -146,9 +104,7 @@ TWO_CALLS = "Two checks.\n" + call("print(1)") + "\n" + call("print(2)")
 
 @pytest.mark.parametrize("all_tool_calls", [True, False])
 def test_two_calls_in_one_turn(counting_sandbox, all_tool_calls):
-    policy = ScriptedPolicy(
-        [(QUESTION, [TWO_CALLS]), ("stdout: 1", ["<answer>\\boxed{1}</answer>"])]
-    )
+    policy = AgentPolicy([(QUESTION, [TWO_CALLS]), ("stdout: 1", ["<answer>\\boxed{1}</answer>"])])
     config = RolloutConfig(all_tool_calls=all_tool_calls)
     [[trajectory]] = run_rollouts(policy, counting_sandbox, [prompt()], 1, config)
 
@@ -168,7 +124,7 @@ def test_two_calls_in_one_turn(counting_sandbox, all_tool_calls):
 
 
 def test_tool_output_is_middle_truncated(counting_sandbox):
-    policy = ScriptedPolicy(
+    policy = AgentPolicy(
         [(QUESTION, [call("print('a' * 3000)")]), ("cut]", ["<answer>no</answer>"])]
     )
     config = RolloutConfig(max_tool_response_chars=40)
@@ -180,7 +136,7 @@ def test_tool_output_is_middle_truncated(counting_sandbox):
 
 
 def test_max_turns_ends_on_the_assistant_turn_without_running_its_call(counting_sandbox):
-    policy = ScriptedPolicy([("", [call("print(1)")])])  # calls the tool forever
+    policy = AgentPolicy([("", [call("print(1)")])])  # calls the tool forever
     [[trajectory]] = run_rollouts(
         policy, counting_sandbox, [prompt()], 1, RolloutConfig(max_turns=2)
     )
@@ -194,7 +150,7 @@ def test_token_budget(counting_sandbox):
     rules = [(QUESTION, [T1]), ("NameError", [T2])]
     # Budget spent exactly by the first turn: its call is not run, the trajectory stops there.
     config = RolloutConfig(max_response_tokens=len(T1))
-    [[spent]] = run_rollouts(ScriptedPolicy(rules), counting_sandbox, [prompt()], 1, config)
+    [[spent]] = run_rollouts(AgentPolicy(rules), counting_sandbox, [prompt()], 1, config)
     assert [m["content"] for m in spent.messages] == [T1]
     assert (spent.finish_reason, spent.completion_tokens, spent.tool_calls) == (
         "length",
@@ -204,7 +160,7 @@ def test_token_budget(counting_sandbox):
     assert counting_sandbox.batches == []
 
     # Ten tokens left for the second turn: it is cut there.
-    policy = ScriptedPolicy(rules)
+    policy = AgentPolicy(rules)
     config = RolloutConfig(max_response_tokens=len(T1) + 10)
     [[cut]] = run_rollouts(policy, counting_sandbox, [prompt()], 1, config)
     assert [m["role"] for m in cut.messages] == ["assistant", "user", "assistant"]
@@ -214,7 +170,7 @@ def test_token_budget(counting_sandbox):
 
 
 def test_turn_cap(counting_sandbox):
-    policy = ScriptedPolicy(RETRY)
+    policy = AgentPolicy(RETRY)
     config = RolloutConfig(max_turn_tokens=len(T1), max_response_tokens=10_000)
     [[trajectory]] = run_rollouts(policy, counting_sandbox, [prompt()], 1, config)
     # T2 is longer than T1: the cap cuts the second turn, which ends the trajectory.
@@ -228,7 +184,7 @@ def test_a_turn_over_its_own_budget_is_discarded_with_the_responses_it_followed(
     short = call("print(1)")
     long = "Let me think about it for a while before I try anything. " + short
     answer = "<answer>\\boxed{1}</answer>"
-    policy = ScriptedPolicy([(QUESTION, [short, long]), ("stdout: 1", [answer])])
+    policy = AgentPolicy([(QUESTION, [short, long]), ("stdout: 1", [answer])])
     # Both first turns fit; then the short trajectory has room for the answer, the long one only
     # for 10 tokens. One generate call serves both with the larger budget left, and the long
     # one's answer overruns its own.
@@ -254,7 +210,7 @@ def test_a_turn_over_its_own_budget_is_discarded_with_the_responses_it_followed(
 
 def test_one_generate_and_one_sandbox_run_per_turn_over_all_live_trajectories(counting_sandbox):
     other = "What is the square of three?"
-    policy = ScriptedPolicy(
+    policy = AgentPolicy(
         [
             *RETRY,
             (other, ["<answer>\\boxed{9}</answer>", call("print(3 ** 2)")]),
@@ -288,7 +244,7 @@ def test_one_generate_and_one_sandbox_run_per_turn_over_all_live_trajectories(co
 
 
 def test_bad_input_is_refused(sandbox):
-    policy = ScriptedPolicy(RETRY)
+    policy = AgentPolicy(RETRY)
     with pytest.raises(ValueError, match="prompt 0 must be chat messages"):
         run_rollouts(policy, sandbox, ["What is 2 + 3?"], 1, RolloutConfig())
     with pytest.raises(ValueError, match="at least 1"):

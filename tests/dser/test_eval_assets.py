@@ -14,8 +14,6 @@ import pytest
 from rstar_pipelines import settings
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.dser.evolve import DSERProblem, DSERPrompts
-from rstar_pipelines.llm import Completion
-from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.math.steps import PREAMBLE
 from rstar_pipelines.pipeline.cache_store import cache_location
 from rstar_pipelines.pipeline.prompts import PromptTemplate
@@ -23,9 +21,10 @@ from rstar_pipelines.pipeline.stage import StageContext, StageInputError
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
-from tests.agent.test_rollout import call
 from tests.conftest import REPO
-from tests.math.test_mcts import SCRIPT, A, D
+from tests.fakes.agent import call
+from tests.fakes.llm import ScriptedLLM, ScriptedLLMResource
+from tests.fakes.math import SCRIPT, STEP_STOPS, A, D
 
 MATH_Q = "What is 2 + 3?"
 CODE_Q = "Read an integer n and print 2 * n."
@@ -97,50 +96,25 @@ def _tokens(text: str) -> int:
     return len(text)  # what each scripted completion costs
 
 
-class ScriptedPolicy:
-    """The golden MCTS tree's steps after the search's prompt (the question, then the steps
-    so far, as chat or after the few-shot text); the agent's turns after its system prompt;
-    the DSER script after a single user message. `n` completions: the scripted ones, repeated
-    in turn."""
-
-    name = "scripted"
-
-    def __init__(self):
-        self.dser = _dser_script()
-        self.prompts = 0
-
-    def generate(self, prompts, params):
-        self.prompts += len(prompts)
-        out = []
-        for prompt in prompts:
-            if isinstance(prompt, str):  # the base policy's search: the few-shot prompt
-                texts = SCRIPT[prompt.split(f"Question: {MATH_Q}\n")[-1]]
-            elif prompt[0]["role"] == "system":  # the agent
-                domain = "math" if MATH_Q in prompt[1]["content"] else "code"
-                done = "<tool_response>" in prompt[-1]["content"]
-                texts = [(AGENT_ANSWER if done else AGENT_CALL)[domain]]
-            elif len(prompt) == 2:  # the search
-                assert prompt[0]["content"].strip() == MATH_Q
-                texts = SCRIPT[prompt[1]["content"].removeprefix(PREAMBLE)]
-            else:
-                texts = self.dser[prompt[0]["content"]]
-            out.append([_completion(texts[i % len(texts)]) for i in range(params.n)])
-        return out
+def _reply(prompt, params) -> list[str]:
+    """The golden MCTS tree's steps after the search's prompt (the question, then the steps so
+    far, as chat or after the few-shot text); the agent's turns after its system prompt; the
+    DSER script after a single user message."""
+    if isinstance(prompt, str):  # the base policy's search: the few-shot prompt
+        return SCRIPT[prompt.split(f"Question: {MATH_Q}\n")[-1]]
+    if prompt[0]["role"] == "system":  # the agent
+        domain = "math" if MATH_Q in prompt[1]["content"] else "code"
+        done = "<tool_response>" in prompt[-1]["content"]
+        return [(AGENT_ANSWER if done else AGENT_CALL)[domain]]
+    if len(prompt) == 2:  # the search
+        assert prompt[0]["content"].strip() == MATH_Q
+        return SCRIPT[prompt[1]["content"].removeprefix(PREAMBLE)]
+    return DSER_SCRIPT[prompt[0]["content"]]
 
 
-def _completion(text: str) -> Completion:
-    for stop in ("<end_of_step>", "<end_of_code>", "<end_of_answer>"):
-        if text.endswith(stop):
-            return Completion(text[: -len(stop)], "stop", stop, 10, _tokens(text))
-    return Completion(text, "eos", None, 10, _tokens(text))
-
-
-POLICY = ScriptedPolicy()
-
-
-class ScriptedLLMResource(LLMResource):
-    def get_llm(self, model=None):
-        return POLICY
+DSER_SCRIPT = _dser_script()
+# `n` completions: the scripted ones, repeated in turn; one token a character.
+POLICY = ScriptedLLM(_reply, cycle=True, stops=STEP_STOPS)
 
 
 def _write_upstream(tmp_path, tiny_base) -> str:
@@ -248,11 +222,11 @@ def evaluation(tmp_path, tiny_base):
     defs = build_definitions(spec)
     resources = {
         **defs.resources,
-        "llm": ScriptedLLMResource(),
+        "llm": ScriptedLLMResource.serving(POLICY),
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     policy = _write_upstream(tmp_path, tiny_base)
-    resource = ScriptedLLMResource()
+    resource = ScriptedLLMResource.serving(POLICY)
     models = (policy, str(tmp_path / "grpo"), spec.by_key["base_policy_eval"].stage().model)
     return defs, resources, *map(resource.model_id, models)
 
@@ -475,7 +449,7 @@ def _round_two_starts_from_round_one(tmp_path, round_one: list[dict]) -> None:
     context = StageContext(
         None,
         logging.getLogger("test"),
-        resources={"llm": ScriptedLLMResource()},
+        resources={"llm": ScriptedLLMResource.serving(POLICY)},
         cache_path=cache_location("eval_comparison", None),
         cache_namespace=asset.stage_cls.cache_namespace(),
     )
@@ -522,7 +496,7 @@ def test_no_heldout_problem_is_a_clear_error(tmp_path):
         "policy_checkpoint": pa.Table.from_pylist([{"path": "policy"}]),
     }
     with pytest.raises(StageInputError, match="no verified problem .* falls in the held-out split"):
-        stage.run(_context(tmp_path, {"llm": ScriptedLLMResource()}), inputs)
+        stage.run(_context(tmp_path, {"llm": ScriptedLLMResource.serving(POLICY)}), inputs)
 
 
 def test_comparison_refuses_another_policy(tmp_path):
@@ -530,7 +504,7 @@ def test_comparison_refuses_another_policy(tmp_path):
     policy, base_policy_eval of the base (round 0) policy."""
     spec = load_spec(REPO / "assets" / "pipeline.yaml")
     stage = spec.by_key["eval_comparison"].stage()
-    resource = ScriptedLLMResource()
+    resource = ScriptedLLMResource.serving(POLICY)
     evaluated = {"batch": "b1", "problem_id": MATH_IDS[0], "domain": "math"}
     by = lambda model: pa.Table.from_pylist([{**evaluated, "policy": resource.model_id(model)}])  # noqa: E731
     inputs = {

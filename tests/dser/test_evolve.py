@@ -5,7 +5,6 @@ code judge on the real sandbox."""
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
@@ -25,26 +24,16 @@ from rstar_pipelines.dser.markov import (
     transition_counts,
 )
 from rstar_pipelines.dser.vote import last_states, vote
-from rstar_pipelines.llm import Completion
-from rstar_pipelines.math.answers import extract_boxed
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_pipelines.settings import prompts_dir
 from rstar_sandbox import Sandbox
+from tests.fakes.dser import REFINE, SOLVE, VERIFY, MarkovModel, ScriptedChains
+from tests.fakes.sandbox import CountingSandbox
 
 
 def _templates() -> DSERPrompts:
     load = lambda role: PromptTemplate.load(prompts_dir(), f"dser_{role}.jinja")  # noqa: E731
     return DSERPrompts.from_templates(load("solve"), load("verify"), load("refine"))
-
-
-def _completion(text: str, tokens: int) -> Completion:
-    return Completion(text, "eos", None, 5, tokens)
-
-
-def _content(prompt) -> str:
-    [message] = prompt  # one user message, nothing else
-    assert message["role"] == "user"
-    return message["content"]
 
 
 # -- parsing and configuration ---------------------------------------------------------------
@@ -125,50 +114,6 @@ def test_templates_render_every_variable():
 
 # -- batching and bookkeeping on a hand-made script -------------------------------------------
 
-SOLVE, VERIFY, REFINE = 11, 22, 33  # max_tokens tell the phases apart
-TOKENS = {SOLVE: 1, VERIFY: 10, REFINE: 100}  # completion tokens charged per phase
-
-
-class ScriptedChains:
-    """Solve: `solutions[question]` (n of them). Verify: CORRECT when the solution is one of
-    `passing`. Refine: `refined[solution]`. Records every generate call."""
-
-    name = "scripted"
-
-    def __init__(self, solutions, refined, passing=()):
-        self.solutions, self.refined, self.passing = solutions, refined, passing
-        self.calls: list[tuple[list[str], object]] = []
-
-    def generate(self, prompts, params):
-        contents = [_content(p) for p in prompts]
-        self.calls.append((contents, params))
-        tokens = TOKENS[params.max_tokens]
-        if params.max_tokens == SOLVE:
-            return [
-                [_completion(t, tokens) for t in self._find(self.solutions, c)] for c in contents
-            ]
-        if params.max_tokens == VERIFY:
-            return [[_completion(self._critique(c), tokens)] for c in contents]
-        return [[_completion(self._refine(c), tokens)] for c in contents]
-
-    def _critique(self, content):
-        solution = self._solution(content)
-        return "Checked.\nVERDICT: CORRECT" if solution in self.passing else "**Verdict:** wrong"
-
-    def _refine(self, content):
-        return self.refined[self._solution(content)]
-
-    def _solution(self, content):
-        # The prompt's solution section, as the templates lay it out.
-        [solution] = [s for s in self.refined if f"solution\n{s}\n\n" in content]
-        return solution
-
-    @staticmethod
-    def _find(table, content):
-        [value] = [v for key, v in table.items() if key in content]
-        return value
-
-
 HALF = DSERProblem("half", "math", "What is half of 1?", "1/2")
 SUM = DSERProblem("sum", "math", "What is 2 + 3?", "5")
 
@@ -227,9 +172,9 @@ def test_every_phase_of_every_chain_is_sampled_with_its_seed():
         + [(VERIFY, 1, 103)] * 6
         + [(REFINE, 1, 104)] * 2
     )
-    solve_prompts, _ = llm.calls[0]
+    solve_prompts, _ = llm.asked[0]
     assert solve_prompts == [prompts.solve(SUM), prompts.solve(HALF)]
-    asked = {content for contents, _ in llm.calls for content in contents}
+    asked = {content for contents, _ in llm.asked for content in contents}
     assert prompts.verify(SUM, "So \\boxed{6}") in asked
     assert prompts.refine(SUM, "So \\boxed{6}", "**Verdict:** wrong") in asked
 
@@ -284,40 +229,6 @@ def test_no_refine_call_when_every_chain_passes():
 
 
 # -- a scripted model with known transition probabilities -------------------------------------
-
-
-class MarkovModel:
-    """Solves correctly with p0; refines a wrong solution into a correct one with p_improve and
-    a correct one into a wrong one with p_degrade; wrong answers are drawn from `wrong`. Its
-    verifier always says INCORRECT, so every state is refined: a plain two-state chain."""
-
-    name = "markov"
-
-    def __init__(self, gold, p0, p_improve, p_degrade, seed, wrong=("1", "2", "3", "4", "6")):
-        self.gold, self.wrong = gold, wrong
-        self.p0, self.p_improve, self.p_degrade = p0, p_improve, p_degrade
-        self.rng = random.Random(seed)
-
-    def generate(self, prompts, params):
-        out = []
-        for prompt in prompts:
-            content = _content(prompt)
-            problem, _, solution = content.partition("\n")
-            phase, problem = problem.split(" ")
-            if phase == "verify":
-                out.append([_completion("Checked.\nVERDICT: INCORRECT", 1)])
-                continue
-            if phase == "solve":
-                correct = [self.rng.random() < self.p0 for _ in range(params.n)]
-            else:
-                was_correct = extract_boxed(solution) == self.gold[problem]
-                p = 1 - self.p_degrade if was_correct else self.p_improve
-                correct = [self.rng.random() < p]
-            out.append([_completion(f"\\boxed{{{self._answer(problem, c)}}}", 1) for c in correct])
-        return out
-
-    def _answer(self, problem, correct):
-        return self.gold[problem] if correct else self.rng.choice(self.wrong)
 
 
 MARKOV_PROMPTS = DSERPrompts(
@@ -449,15 +360,6 @@ CRASH = "print(1 / 0)\n"
 ADDITION = DSERProblem(
     "add", "code", "Print the sum of two integers.", inputs=("1 2\n", "5 7\n"), labels=("3", "12")
 )
-
-
-class CountingSandbox:
-    def __init__(self, sandbox):
-        self.sandbox, self.runs = sandbox, 0
-
-    def run(self, jobs):
-        self.runs += 1
-        return self.sandbox.run(jobs)
 
 
 @pytest.fixture(scope="module")

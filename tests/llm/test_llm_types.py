@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 
 import pytest
@@ -19,6 +18,7 @@ from rstar_pipelines.llm import (
     truncate_at_stop,
 )
 from rstar_pipelines.llm.types import Completion, GenerateBatcher, stream, submit
+from tests.fakes.llm import ScriptedLLM
 
 
 def test_sampling_params_defaults_and_frozen():
@@ -106,25 +106,18 @@ def test_importing_the_llm_package_loads_no_heavy_library():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-class RecordingLLM:
-    """A generate-only LLM that records its calls and can be held inside one."""
+def recording() -> ScriptedLLM:
+    """A generate-only LLM answering "prompt:seed", three prompts a batch at most."""
+    reply = lambda prompt, params: [f"{prompt}:{params.seed}"]  # noqa: E731
+    return ScriptedLLM(reply, name="recording", tokens=1, prompt_tokens=1, batch_size=3)
 
-    name = "recording"
-    batch_size = 3
 
-    def __init__(self):
-        self.calls = []
-        self.hold = threading.Event()
-        self.hold.set()
-
-    def generate(self, prompts, params):
-        self.calls.append((list(prompts), params.seed))
-        self.hold.wait(10)
-        return [[Completion(f"{p}:{params.seed}", "eos", None, 1, 1)] for p in prompts]
+def fell_over(prompt, params):
+    raise RuntimeError("model fell over")
 
 
 def test_generate_only_llms_get_batched_submission():
-    llm = RecordingLLM()
+    llm = recording()
     llm.hold.clear()
     first = submit(llm, ["a"], SamplingParams(seed=1))  # runs alone, held
     while not llm.calls:
@@ -136,12 +129,13 @@ def test_generate_only_llms_get_batched_submission():
     results = [f.result(10)[0].text for f in [*first, *later, *other, *more]]
     assert results == ["a:1", "b:1", "c:1", "d:1", "e:1", "f:1", "x:2", "g:1"]
     # Waiting prompts with the oldest one's params go together, batch_size at a time.
-    assert llm.calls == [(["a"], 1), (["b", "c", "d"], 1), (["e", "f", "g"], 1), (["x"], 2)]
+    calls = [(prompts, params.seed) for prompts, params in llm.calls]
+    assert calls == [(["a"], 1), (["b", "c", "d"], 1), (["e", "f", "g"], 1), (["x"], 2)]
     assert GenerateBatcher.of(llm) is GenerateBatcher.of(llm)
 
 
 def test_cancelled_prompts_are_not_generated_and_errors_reach_their_callers():
-    llm = RecordingLLM()
+    llm = recording()
     llm.hold.clear()
     submit(llm, ["a"], SamplingParams())
     while not llm.calls:
@@ -152,17 +146,13 @@ def test_cancelled_prompts_are_not_generated_and_errors_reach_their_callers():
     assert kept.result(10)[0].text == "kept:None"
     assert llm.calls[-1][0] == ["kept"]
 
-    class Failing(RecordingLLM):
-        def generate(self, prompts, params):
-            raise RuntimeError("model fell over")
-
-    [future] = submit(Failing(), ["a"], SamplingParams())
+    [future] = submit(ScriptedLLM(fell_over), ["a"], SamplingParams())
     with pytest.raises(RuntimeError, match="fell over"):
         future.result(10)
 
 
 def test_stream_yields_in_finishing_order():
-    llm = RecordingLLM()
+    llm = recording()
     out = list(stream(llm, ["a", "b", "c", "d"], SamplingParams(seed=0)))
     assert sorted(out) == [
         (i, [Completion(f"{p}:0", "eos", None, 1, 1)]) for i, p in enumerate("abcd")

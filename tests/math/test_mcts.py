@@ -5,190 +5,34 @@ Q-values, selections and pairs computed by hand in the comments."""
 from __future__ import annotations
 
 import math
-import threading
-from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, wait
 
-from rstar_pipelines.llm import Completion
 from rstar_pipelines.math import mcts as mcts_module
-from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, search
+from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, search
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, assistant_text
 from rstar_pipelines.math.tree import tree_from_rows
-
-PREFIX = "Question: What is 2 + 3?\n"
-A = "<code>\n# Step 1: add the two numbers\nx = 2 + 3\n" + STEP_END
-B = "<code>\n# Step 1: multiply them instead\nx = 2 * 3\n" + STEP_END
-C = "<code>\nprint(1 / 0)\n" + CODE_END
-D = "\nprint(x)\n" + CODE_END
-E = "\nprint(z)\n" + CODE_END
-F = "\n<answer>The answer is \\boxed{5}" + ANSWER_END
-H = "\n# Step 2: make sure it is positive\nassert x > 0\n" + STEP_END
-K = "\nprint(x - 1)\n" + CODE_END
-OUT5 = "\n<output>5<end_of_output>"
-OUT6 = "\n<output>6<end_of_output>"
-
-# What the policy writes after each partial solution (the steps so far, as shown).
-SCRIPT = {
-    "": [A, B, C],
-    A: [D, D, E],  # the duplicate of D is dropped
-    A + D + OUT5: [F, "\n<answer>\\boxed{7}" + ANSWER_END],  # only the first answer stays
-    B: [D, H],
-    B + D + OUT6: ["\n<answer>\\boxed{6}" + ANSWER_END],
-    B + H: [K],
-    B + H + K + OUT5: [F],
-}
-
-
-def _completion(step: str) -> Completion:
-    for stop in (STEP_END, CODE_END, ANSWER_END):
-        if step.endswith(stop):
-            return Completion(step[: -len(stop)], "stop", stop, 10, 10)
-    return Completion(step, "eos", None, 10, 10)
-
-
-class ScriptedPolicy:
-    """Writes `script[steps so far]` (default: the golden tree's) after the question."""
-
-    name = "scripted"
-
-    def __init__(self, script: dict[str, list[str]] | None = None, prefix: str = PREFIX):
-        self.script = SCRIPT if script is None else script
-        self.prefix = prefix
-        self.batches: list[int] = []
-
-    def generate(self, prompts, params):
-        self.batches.append(len(prompts))
-        return [[_completion(s) for s in self.script[p.removeprefix(self.prefix)]] for p in prompts]
-
-
-class StreamingPolicy(ScriptedPolicy):
-    """The scripted policy as a fleet of servers answers it (an `AsyncLLM`): a future per
-    prompt. Asked one sample at a time (n=1), the k-th ask for a partial solution gets the k-th
-    step of its script (cycled), `delay_s * k` seconds later."""
-
-    def __init__(self, script: dict[str, list[str]], delay_s: float):
-        super().__init__(script)
-        self.delay_s = delay_s
-        self.asked: Counter[str] = Counter()
-
-    def submit(self, prompts, params):
-        futures = []
-        for prompt in prompts:
-            steps = self.script[prompt.removeprefix(self.prefix)]
-            k, delay = 0, self.delay_s * (len(steps) - 1)
-            if params.n == 1:
-                k = self.asked[prompt] % len(steps)
-                self.asked[prompt] += 1
-                steps, delay = [steps[k]], self.delay_s * k
-            future: Future = Future()
-            result = [_completion(s) for s in steps]
-            threading.Timer(
-                delay, lambda f=future, r=result: f.cancelled() or f.set_result(r)
-            ).start()
-            futures.append(future)
-        return futures
-
-
-class ArrivingPolicy(ScriptedPolicy):
-    """The scripted policy as a fleet of servers answers it (an `AsyncLLM`), each sample a
-    request of its own (n=1): the k-th ask for a partial solution gets the k-th step of its
-    script. A sample arrives only when the search waits for it (`wait`, put in the search
-    module's place), and `order(n)` picks how many of the n - 1 samples after it in its
-    expansion arrive with it. That is every order an expansion's samples can arrive in, as far
-    as the search can tell: it reads its samples in order, and on each one it reads, whether
-    the ones right after it are in already (`EveryOrder` plays them all)."""
-
-    def __init__(self, script: dict[str, list[str]], order: Callable[[int], int]):
-        super().__init__(script)
-        self.order = order
-        self.asked: Counter[str] = Counter()
-        self.coming: dict[Future, list[Completion]] = {}
-        self.samples: dict[str, list[Future]] = {}  # a prompt's samples, in order
-        self.prompt_of: dict[Future, str] = {}
-
-    def submit(self, prompts, params):
-        futures = []
-        for prompt in prompts:
-            steps = self.script[prompt.removeprefix(self.prefix)]
-            if params.n == 1:
-                steps = [steps[self.asked[prompt]]]
-                self.asked[prompt] += 1
-            future: Future = Future()
-            self.coming[future] = [_completion(s) for s in steps]
-            self.samples.setdefault(prompt, []).append(future)
-            self.prompt_of[future] = prompt
-            futures.append(future)
-        return futures
-
-    def wait(self, futures, timeout=None, return_when=FIRST_COMPLETED):
-        futures = list(futures)
-        if not any(f.done() for f in futures) and all(f in self.coming for f in futures):
-            samples = self.samples[self.prompt_of[futures[0]]]
-            after = samples[samples.index(futures[0]) + 1 :]
-            after = after[: next((i for i, f in enumerate(after) if f not in self.coming), None)]
-            for future in [futures[0], *after[: self.order(len(after) + 1)]]:
-                future.set_result(self.coming.pop(future))
-        return wait(futures, timeout, return_when)
-
-
-class EveryOrder:
-    """The choices of an `ArrivingPolicy`, run after run, until every sequence of them is
-    played (depth first): `next()` moves on to the next one, False when none is left."""
-
-    def __init__(self):
-        self.prefix: list[int] = []
-        self.played: list[tuple[int, int]] = []  # (choice, options) of this run
-
-    def __call__(self, options: int) -> int:
-        at = len(self.played)
-        choice = self.prefix[at] if at < len(self.prefix) else 0
-        self.played.append((choice, options))
-        return choice
-
-    def next(self) -> bool:
-        while self.played:
-            choice, options = self.played.pop()
-            if choice + 1 < options:
-                self.prefix = [c for c, _ in self.played] + [choice + 1]
-                self.played = []
-                return True
-        return False
-
-
-class MemoSandbox:
-    """The sandbox, each program run once: a search replayed in every order runs the same
-    programs over and over."""
-
-    def __init__(self, sandbox):
-        self.sandbox = sandbox
-        self.results: dict[str, object] = {}
-
-    def run(self, jobs):
-        new = [job for job in jobs if job.code not in self.results]
-        self.results.update(
-            (job.code, r) for job, r in zip(new, self.sandbox.run(new), strict=True)
-        )
-        return [self.results[job.code] for job in jobs]
-
-
-def padded(script: dict[str, list[str]], width: int) -> dict[str, list[str]]:
-    """Every entry `width` steps long (duplicates of its last): as many as n asks for."""
-    return {k: (v + [v[-1]] * width)[:width] for k, v in script.items()}
-
-
-PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
-PROBLEM = Problem("p1", "What is 2 + 3?", "5")
-
-
-def run(sandbox, rollouts: int, **options):
-    config = MCTSConfig(rollouts=rollouts, width=3, max_depth=4, errors_threshold=1, **options)
-    return search([PROBLEM], ScriptedPolicy(), sandbox, config, prompt=PROMPT)[0]
-
-
-def state(tree) -> dict[str, tuple[int, float]]:
-    return {r["node_id"]: (r["visits"], round(r["q"], 6)) for r in tree.nodes.to_pylist()}
+from tests.fakes.llm import ArrivingLLM, EveryOrder, StreamingLLM
+from tests.fakes.math import (
+    OUT5,
+    OUT6,
+    PROBLEM,
+    PROMPT,
+    SCRIPT,
+    A,
+    B,
+    C,
+    D,
+    E,
+    F,
+    H,
+    K,
+    ScriptedPPM,
+    StepPolicy,
+    golden_search,
+    padded,
+    state,
+)
+from tests.fakes.sandbox import MemoSandbox
 
 
 def test_first_rollout(sandbox):
@@ -197,7 +41,7 @@ def test_first_rollout(sandbox):
     # goes to the first, 0.1. It expands to 0.1.1 (D, output 5) and 0.1.2 (E, NameError);
     # 0.1.1 expands to the answer 5: +1 backed up to 0.1.1, 0.1 and the root. All of
     # 0.1.1's children are terminal, so 0.1.1 becomes terminal and the rollout ends.
-    tree = run(sandbox, 1)
+    tree = golden_search(sandbox, 1)
     assert tree.rollout_paths == [["0", "0.1", "0.1.1"]]
     assert state(tree) == {
         "0": (1, 1.0),
@@ -225,10 +69,10 @@ def test_rollouts_two_to_four(sandbox):
     # and 0.2.2 (H); the tie goes to 0.2.1, whose answer 6 is wrong: -1 to the root.
     # Rollout 4: 0.2 has UCT -1 + 2·sqrt(ln 2 / 1) = 0.665; below it 0.2.1 is closed, so
     # 0.2.2 expands (K: 5), then 0.2.2.1 expands to the answer 5: +1 to the root.
-    tree = run(sandbox, 2)
+    tree = golden_search(sandbox, 2)
     assert tree.rollout_paths == [["0", "0.1", "0.1.1"], []]
     assert state(tree)["0"] == (1, 1.0)
-    tree = run(sandbox, 4)
+    tree = golden_search(sandbox, 4)
     assert tree.rollout_paths == [["0", "0.1", "0.1.1"], [], ["0.2", "0.2.1"], ["0.2.2", "0.2.2.1"]]
     assert state(tree) == {
         "0": (3, round(1 / 3, 6)),
@@ -249,7 +93,7 @@ def test_rollouts_two_to_four(sandbox):
 
 
 def test_pairs_of_the_golden_tree(sandbox):
-    tree = run(sandbox, 4)
+    tree = golden_search(sandbox, 4)
     pairs = preference_pairs(tree, min_margin=0.5, min_edit_distance=5)
     # At the root: chosen 0.1 (Q 1) and 0.2 (Q 0) lead to a correct answer, only 0.2
     # leads to a wrong one, so up to four chosen face it: (0.1, 0.2) has margin 1, and
@@ -278,7 +122,7 @@ def test_pairs_of_the_golden_tree(sandbox):
 
 
 def test_trajectories_and_sft_sample(sandbox):
-    tree = run(sandbox, 4)
+    tree = golden_search(sandbox, 4)
     found = {t.leaf.node_id: (t.correct, t.q_values) for t in trajectories(tree)}
     assert found == {
         "0.1.1.1": (True, [1.0, 1.0, 1.0]),
@@ -292,30 +136,11 @@ def test_trajectories_and_sft_sample(sandbox):
     assert [t.leaf.node_id for t in best_trajectories(tree, n=1)] == ["0.1.1.1"]
 
 
-class TokenCountingPolicy(ScriptedPolicy):
-    """The scripted steps, each costing as many tokens as it has characters."""
-
-    def __init__(self):
-        super().__init__()
-        self.generated = 0
-
-    def generate(self, prompts, params):
-        out = []
-        for completions in super().generate(prompts, params):
-            sized = []
-            for c in completions:
-                tokens = len(c.text + (c.stop_string or ""))
-                self.generated += tokens
-                sized.append(Completion(c.text, c.finish_reason, c.stop_string, 10, tokens))
-            out.append(sized)
-        return out
-
-
 def test_nodes_count_every_generated_token(sandbox):
     # First rollout (see test_first_rollout): the root's three samples are kept as they
     # are; 0.1's duplicate D is folded into 0.1.1; the wrong answer sampled beside F is
     # dropped by the one-answer rule and counted on 0.1.1.1.
-    policy = TokenCountingPolicy()
+    policy = StepPolicy(tokens=None)  # a token a character
     config = MCTSConfig(rollouts=1, width=3, max_depth=4, errors_threshold=1)
     tree = search([PROBLEM], policy, sandbox, config, prompt=PROMPT)[0]
     tokens = {r["node_id"]: r["completion_tokens"] for r in tree.nodes.to_pylist()}
@@ -335,18 +160,6 @@ def test_nodes_count_every_generated_token(sandbox):
     assert {n.completion_tokens for n in tree_from_rows(old).walk()} == {None}
 
 
-class ScriptedPPM:
-    """Scores the partial solutions it knows, everything else 0."""
-
-    def __init__(self, values: dict[str, float]):
-        self.values = values
-        self.calls: list[list] = []
-
-    def score(self, prompts):
-        self.calls.append(prompts)
-        return [self.values.get(p.removeprefix(PREFIX), 0.0) for p in prompts]
-
-
 def test_ppm_initial_value_is_applied_once_to_the_new_node_only(sandbox):
     # With a PPM, each new non-terminal child gets one update with its score (visits 1,
     # Q = score) and nothing else changes. The root is unvisited, so UCT = Q: 0.2
@@ -355,7 +168,7 @@ def test_ppm_initial_value_is_applied_once_to_the_new_node_only(sandbox):
     # 0.2.1.1, 0.2.1 (0 - 1 over 2 visits), 0.2 (0.25 - 1 over 2) and the root.
     ppm = ScriptedPPM({A: -0.5, B: 0.25})
     config = MCTSConfig(rollouts=1, width=3, max_depth=4, errors_threshold=1)
-    tree = search([PROBLEM], ScriptedPolicy(), sandbox, config, ppm=ppm, prompt=PROMPT)[0]
+    tree = search([PROBLEM], StepPolicy(), sandbox, config, ppm=ppm, prompt=PROMPT)[0]
     assert tree.rollout_paths == [["0", "0.2", "0.2.1"]]
     assert state(tree) == {
         "0": (1, -1.0),
@@ -371,7 +184,7 @@ def test_ppm_initial_value_is_applied_once_to_the_new_node_only(sandbox):
 
 
 def test_failure_terminals_do_not_propagate(sandbox):
-    tree = run(sandbox, 1)
+    tree = golden_search(sandbox, 1)
     failures = [n for n in tree.root.walk() if n.is_failure]
     assert {n.node_id for n in failures} == {"0.3", "0.1.2"}
     # The root saw one terminal backup (+1), none from the two failures.
@@ -384,7 +197,7 @@ def test_too_many_steps(sandbox):
     # are at depth 2, beyond max_depth, so the code step D is a TOO_MANY_STEPS terminal (E,
     # a code error, is one of those first).
     config = MCTSConfig(rollouts=2, width=3, max_depth=1, errors_threshold=1)
-    tree = search([PROBLEM], ScriptedPolicy(), sandbox, config, prompt=PROMPT)[0]
+    tree = search([PROBLEM], StepPolicy(), sandbox, config, prompt=PROMPT)[0]
     kinds = {r["node_id"]: r["kind"] for r in tree.nodes.to_pylist()}
     assert kinds == {
         "0": "root",
@@ -398,7 +211,7 @@ def test_too_many_steps(sandbox):
 
 
 def test_many_trees_share_batches(sandbox):
-    policy = ScriptedPolicy()
+    policy = StepPolicy()
     config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
     problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(6)]
     trees = search(problems, policy, sandbox, config, prompt=PROMPT)
@@ -409,7 +222,7 @@ def test_many_trees_share_batches(sandbox):
 
 
 def test_a_window_starts_the_next_tree_as_soon_as_one_ends(sandbox):
-    policy = ScriptedPolicy()
+    policy = StepPolicy()
     config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
     problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(3)]
     ended = []
@@ -430,8 +243,10 @@ def test_an_early_walk_builds_the_reference_tree(sandbox):
     # first sample's step (taken before that answer is in) is undone, and the root keeps the
     # answer alone, as the reference's post-filter does.
     for script in (padded(SCRIPT, 3), padded({**SCRIPT, "": [A, B, F]}, 3)):
-        reference = search([PROBLEM], ScriptedPolicy(script), sandbox, config, prompt=PROMPT)
-        early = MCTSSearch(StreamingPolicy(script, delay_s=0.1), sandbox, config, prompt=PROMPT)
+        reference = search([PROBLEM], StepPolicy(script), sandbox, config, prompt=PROMPT)
+        early = MCTSSearch(
+            StreamingLLM(StepPolicy(script), delay_s=0.1), sandbox, config, prompt=PROMPT
+        )
         [tree] = early.run([PROBLEM])
         assert tree.nodes.to_pylist() == reference[0].nodes.to_pylist()
         assert tree.rollout_paths == reference[0].rollout_paths
@@ -447,12 +262,12 @@ def test_only_a_policy_whose_engine_serves_each_request_walks_early(sandbox):
 
     config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
     script = padded({**SCRIPT, "": [A, B, F]}, 3)
-    in_process = MCTSSearch(CountingLLM(ScriptedPolicy(script)), sandbox, config, prompt=PROMPT)
-    reference = search([PROBLEM], ScriptedPolicy(script), sandbox, config, prompt=PROMPT)
+    in_process = MCTSSearch(CountingLLM(StepPolicy(script)), sandbox, config, prompt=PROMPT)
+    reference = search([PROBLEM], StepPolicy(script), sandbox, config, prompt=PROMPT)
     [tree] = in_process.run([PROBLEM])
     assert tree.nodes.to_pylist() == reference[0].nodes.to_pylist()
     assert in_process.stats.discarded_nodes == 0
-    fleet = StreamingPolicy(script, delay_s=0.05)
+    fleet = StreamingLLM(StepPolicy(script), delay_s=0.05)
     behind_counter = MCTSSearch(CountingLLM(fleet), sandbox, config, prompt=PROMPT)
     behind_counter.run([PROBLEM])
     assert behind_counter.stats.discarded_nodes >= 3
@@ -460,13 +275,13 @@ def test_only_a_policy_whose_engine_serves_each_request_walks_early(sandbox):
 
 def every_early_tree(sandbox, monkeypatch, script, config) -> int:
     """Checks the early walk's tree against the lock-step tree in every order its samples can
-    arrive in (`ArrivingPolicy`); the number of orders played."""
+    arrive in (`ArrivingLLM`); the number of orders played."""
     sandbox = MemoSandbox(sandbox)
     lockstep = config.model_copy(update={"lockstep": True})
-    [reference] = search([PROBLEM], ScriptedPolicy(script), sandbox, lockstep, prompt=PROMPT)
+    [reference] = search([PROBLEM], StepPolicy(script), sandbox, lockstep, prompt=PROMPT)
     orders, played = EveryOrder(), 0
     while True:
-        policy = ArrivingPolicy(script, orders)
+        policy = ArrivingLLM(StepPolicy(script), orders)
         monkeypatch.setattr(mcts_module, "wait", policy.wait)
         [tree] = MCTSSearch(policy, sandbox, config, prompt=PROMPT).run([PROBLEM])
         arrivals = [choice for choice, _ in orders.played]
@@ -492,7 +307,7 @@ def test_a_sample_is_alone_by_its_stop_string_not_its_box(sandbox, monkeypatch):
     # not close the root on G alone.
     script = padded({**SCRIPT, "": [G, A, B]}, 3)
     every_early_tree(sandbox, monkeypatch, script, EARLY)
-    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    [tree] = search([PROBLEM], StepPolicy(script), sandbox, EARLY, prompt=PROMPT)
     assert [c.node_id for c in tree.root.children] == ["0.1", "0.2", "0.3"]
     assert tree.rollout_paths[0] == ["0", "0.2", "0.2.1"]
 
@@ -502,7 +317,7 @@ def test_a_later_end_of_answer_sample_discards_a_boxed_first_child(sandbox, monk
     # post-filter keeps F alone (+1), whatever the first attached child was.
     script = padded({**SCRIPT, "": [G, A, F]}, 3)
     every_early_tree(sandbox, monkeypatch, script, EARLY)
-    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    [tree] = search([PROBLEM], StepPolicy(script), sandbox, EARLY, prompt=PROMPT)
     assert state(tree) == {"0": (1, 1.0), "0.1": (1, 1.0)}
 
 
@@ -512,7 +327,7 @@ def test_a_late_end_of_answer_step_without_a_box_is_walked_into(sandbox, monkeyp
     # steps it had left, as the reference's does.
     script = padded({**SCRIPT, A: [D, E, NOBOX], A + NOBOX + OUT5: [F]}, 3)
     every_early_tree(sandbox, monkeypatch, script, EARLY)
-    [tree] = search([PROBLEM], ScriptedPolicy(script), sandbox, EARLY, prompt=PROMPT)
+    [tree] = search([PROBLEM], StepPolicy(script), sandbox, EARLY, prompt=PROMPT)
     assert tree.rollout_paths[0] == ["0", "0.1", "0.1.1"]
     assert tree.root.children[0].children[0].text == NOBOX + OUT5
     assert state(tree)["0.1.1.1"] == (1, 1.0)

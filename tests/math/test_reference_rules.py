@@ -13,19 +13,30 @@ from __future__ import annotations
 import pytest
 
 from rstar_pipelines.math import mcts as mcts_module
-from rstar_pipelines.math.mcts import MCTSConfig, Problem, StepPrompt, search
+from rstar_pipelines.math.mcts import MCTSConfig, Problem, search
 from rstar_pipelines.math.pairs import preference_pairs
 from rstar_pipelines.math.steps import ANSWER_END, CODE_END, STEP_END, reference_answer
-from tests.math.test_mcts import OUT5, OUT6, A, B, D, F, ScriptedPolicy, ScriptedPPM
+from tests.fakes.math import (
+    OUT5,
+    OUT6,
+    PROMPT,
+    A,
+    B,
+    C,
+    D,
+    F,
+    ScriptedPPM,
+    StepPolicy,
+    golden_search,
+)
 
-PROMPT = StepPrompt(lambda q: f"Question: {q}\n")
 TIMEOUT = "TimeoutError: 'Execution of the code snippet has timed out for exceeding 1 seconds.'"
 SIX = "\n<answer>\\boxed{6}" + ANSWER_END
 
 
 def grow(sandbox, script, answer="5", ppm=None, **config):
     config = {"width": 3, "errors_threshold": 1, **config}
-    policy = ScriptedPolicy(script)
+    policy = StepPolicy(script)
     tree = search(
         [Problem("p", "What is 2 + 3?", answer)],
         policy,
@@ -186,9 +197,7 @@ def test_dedupe_text_and_stop_keeps_both(sandbox):
 
 
 def test_final_pairs_are_an_option(sandbox):
-    from tests.math.test_mcts import run
-
-    tree = run(sandbox, 4)
+    tree = golden_search(sandbox, 4)
     kinds = {p.kind for p in preference_pairs(tree, 0.5, 5)}
     assert kinds == {"step", "final"}
     assert {p.kind for p in preference_pairs(tree, 0.5, 5, final_pairs=False)} == {"step"}
@@ -281,8 +290,6 @@ def test_observations(sandbox, code, reference, script):
 
 
 def test_error_output_once(sandbox):
-    from tests.math.test_mcts import C
-
     tree, _ = grow(sandbox, {"": [C]}, rollouts=1, max_depth=1)
     assert "<output><output>ZeroDivisionError" in tree.root.children[0].text
     tree, _ = grow(sandbox, {"": [C]}, rollouts=1, max_depth=1, error_output="once")

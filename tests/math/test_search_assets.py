@@ -15,7 +15,6 @@ import pytest
 from rstar_pipelines import settings
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.llm import load_llm
-from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.materialize import run_waves
 from rstar_pipelines.math.mcts import MCTSConfig
@@ -29,40 +28,8 @@ from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from tests.conftest import REPO
-from tests.math.test_mcts import SCRIPT, A, F, _completion, state
-from tests.math.test_mcts import run as golden_search
-
-QUESTION = "What is 2 + 3?"
-
-
-class ScriptedPolicy:
-    """Continues the golden tree's partial solutions (or, given `scripts`, each question's own
-    script), in either prompt format; every (question, steps so far) it is asked goes into
-    `events`. A partial solution its script lacks fails the call, as a crashed model would."""
-
-    name = "scripted"
-
-    def __init__(self, scripts: dict[str, dict[str, list[str]]] | None = None, events=None):
-        self.scripts = {QUESTION: SCRIPT} if scripts is None else scripts
-        self.events = [] if events is None else events
-
-    def generate(self, prompts, params):
-        out = []
-        for prompt in prompts:
-            if isinstance(prompt, str):  # the few-shot prompt: steps follow the question
-                question, steps = prompt.rsplit("Question: ", 1)[1].split("\n", 1)
-            else:
-                question = prompt[0]["content"].strip()
-                steps = prompt[-1]["content"].removeprefix(PREAMBLE)
-            self.events.append((question, steps))
-            out.append([_completion(s) for s in self.scripts[question][steps]])
-        return out
-
-
-class ScriptedLLMResource(LLMResource):
-    def get_llm(self, model=None):
-        return ScriptedPolicy()
-
+from tests.fakes.llm import ScriptedLLMResource
+from tests.fakes.math import QUESTION, SCRIPT, A, F, StepPolicy, golden_search, state
 
 # A question whose root's only sample is the right answer: one expansion ends its tree, while
 # the golden tree of QUESTION takes seven.
@@ -79,7 +46,6 @@ def _search_stage(tmp_path, monkeypatch, policy):
     """search_trees as mcts_trajectories runs it, over `policy`, the process sandbox and an
     item cache that logs each commit into the policy's events."""
     stage = load_spec(REPO / "assets" / "pipeline.yaml").by_key["mcts_trajectories"].stage()
-    monkeypatch.setattr(ScriptedLLMResource, "get_llm", lambda self, model=None: policy)
     put = ItemCache.put
 
     def logged_put(cache, key, value):
@@ -88,7 +54,7 @@ def _search_stage(tmp_path, monkeypatch, policy):
 
     monkeypatch.setattr(ItemCache, "put", logged_put)
     resources = {
-        "llm": ScriptedLLMResource(),
+        "llm": ScriptedLLMResource.serving(policy),
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     ctx = StageContext(
@@ -103,7 +69,7 @@ def _search_stage(tmp_path, monkeypatch, policy):
 
 
 def test_a_tree_is_committed_as_soon_as_it_ends(tmp_path, monkeypatch, sandbox):
-    policy = ScriptedPolicy(SCRIPTS)
+    policy = StepPolicy(scripts=SCRIPTS)
     search, ctx = _search_stage(tmp_path, monkeypatch, policy)
     searched = search()
     # Both trees open at once, their roots expanded in one call; the fast tree is in the
@@ -124,7 +90,7 @@ def test_a_tree_is_committed_as_soon_as_it_ends(tmp_path, monkeypatch, sandbox):
 
 def test_a_crash_mid_search_keeps_the_finished_trees(tmp_path, monkeypatch):
     broken = {QUESTION: {k: v for k, v in SCRIPT.items() if k != A}, FAST: SCRIPTS[FAST]}
-    policy = ScriptedPolicy(broken)
+    policy = StepPolicy(scripts=broken)
     search, ctx = _search_stage(tmp_path, monkeypatch, policy)
     with pytest.raises(KeyError):  # the policy fails on the slow tree's second expansion
         search()
@@ -215,7 +181,7 @@ def two_rounds(tmp_path, tiny_base):
     defs = build_definitions(spec)
     resources = {
         **defs.resources,
-        "llm": ScriptedLLMResource(),
+        "llm": ScriptedLLMResource.serving(StepPolicy()),
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     return spec, defs, resources

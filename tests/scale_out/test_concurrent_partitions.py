@@ -10,8 +10,8 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from tests.coder.test_chain_scripted import write_seeds
-from tests.scale_out.scripted_defs import materialize
+from tests.fakes.coder import write_seeds
+from tests.fakes.coder_location import materialize
 from tests.scale_out.servers import new_database
 
 ASSETS = ["seed_problems", "seed_rejects", "synthesized_problems", "candidate_solutions"]

@@ -14,8 +14,8 @@ import dagster as dg
 
 from rstar_pipelines.deployment.instance import init_instance
 from rstar_pipelines.storage import read_table
-from tests.coder.test_chain_scripted import scripted_spec, write_seeds
-from tests.scale_out.scripted_defs import CHAIN, materialize, scripted_definitions
+from tests.fakes.coder import CHAIN, scripted_spec, write_seeds
+from tests.fakes.coder_location import materialize, scripted_definitions
 from tests.scale_out.servers import celery_worker, new_database, stop
 
 BATCHES = ("t1", "t2")

@@ -1,6 +1,6 @@
-"""The code location of the scale-out tests and benchmark: the declared pipeline with
-the scripted model of tests/coder/test_chain_scripted.py and the process sandbox, under
-the deployment profile of RSTAR_DEPLOYMENT (Celery workers import it by module name)."""
+"""A code location of the declared pipeline with the scripted coder model and the process
+sandbox, under the deployment profile of RSTAR_DEPLOYMENT (Celery workers import it by module
+name): what the scale-out tests and benchmark materialize."""
 
 import subprocess
 import sys
@@ -10,9 +10,10 @@ import dagster as dg
 
 from rstar_pipelines.definitions import build_definitions
 from rstar_pipelines.sandbox_resource import SandboxResource
-from tests.coder.test_chain_scripted import CHAIN, ScriptedLLMResource, scripted_spec
+from tests.fakes.coder import CODER, scripted_spec
+from tests.fakes.llm import ScriptedLLMResource
 
-__all__ = ["CHAIN", "defs", "materialize", "scripted_definitions"]
+__all__ = ["defs", "materialize", "scripted_definitions"]
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +23,7 @@ def scripted_definitions() -> dg.Definitions:
         assets=base.assets,
         resources={
             **base.resources,
-            "llm": ScriptedLLMResource(),
+            "llm": ScriptedLLMResource.serving(CODER, key="coder"),
             "sandbox": SandboxResource(backend="process", workers=2),
         },
         executor=base.executor,
