@@ -106,5 +106,5 @@ def intervals(
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(title)
     ax.set_ylabel(ylabel)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # off the bars
     return _png_markdown(fig, title)
