@@ -213,6 +213,88 @@ def worker(queues: str, concurrency: int, name: str | None) -> None:
 
 
 @main.group()
+def recipe() -> None:
+    """Declared runs of the whole graph (assets/recipes/NAME.yaml): check, estimate, run."""
+
+
+_OVERRIDE = click.option(
+    "--override",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="A YAML of the recipe's shape merged over it (e.g. fewer problems).",
+)
+
+
+def _checked_recipe(name: str, override: Path | None):
+    from rstar_pipelines import recipes
+    from rstar_pipelines.pipeline.spec import PipelineSpecError
+
+    try:
+        loaded = recipes.load_recipe(name, override)
+        return recipes.validate(loaded, name, settings.data_dir() / "recipes" / name)
+    except (recipes.RecipeError, PipelineSpecError) as err:
+        raise click.ClickException(str(err)) from None
+
+
+@recipe.command("validate")
+@click.argument("name")
+@_OVERRIDE
+def recipe_validate(name: str, override: Path | None) -> None:
+    """Load the recipe's pipeline and seed files and check its held-out split."""
+    checked = _checked_recipe(name, override)
+    click.echo(
+        f"recipe {name} is valid: {len(checked.spec.assets)} assets, {len(checked.selected)} "
+        f"outputs selected; seeds {checked.seeds}; {checked.heldout_seeds} held-out seed groups"
+    )
+
+
+@recipe.command("dry-run")
+@click.argument("name")
+@_OVERRIDE
+def recipe_dry_run(name: str, override: Path | None) -> None:
+    """Print each stage's expected tokens and wall time from the recipe's assumptions."""
+    from rstar_pipelines.recipes import dry_run_report
+
+    click.echo(dry_run_report(_checked_recipe(name, override), name))
+
+
+@recipe.command("run")
+@click.argument("name")
+@_OVERRIDE
+def recipe_run(name: str, override: Path | None) -> None:
+    """Ingest the recipe's seed files and materialize its assets, batch by batch."""
+    from rstar_pipelines import recipes
+    from rstar_pipelines.definitions import build_definitions
+    from rstar_pipelines.partitions import seed_batches
+    from rstar_pipelines.seeds.stages import SeedIngestion
+
+    checked = _checked_recipe(name, override)
+    with recipes.llm_environment(checked.recipe):
+        if os.environ.get("RSTAR_LLM_BACKEND") == "openai" and not os.environ.get(
+            "RSTAR_LLM_BASE_URL"
+        ):
+            raise click.ClickException(
+                f"recipe {name} generates on OpenAI-compatible servers: set RSTAR_LLM_BASE_URL "
+                "to their URLs (comma-separated)"
+            )
+        [ingestion] = checked.spec.with_stage(SeedIngestion)
+        written = recipes.write_seed_files(checked.recipe, ingestion.stage().incoming_dir())
+        instance = _instance()
+        batches = [batch for batch, _ in written]
+        instance.add_dynamic_partitions(
+            seed_batches.name,
+            [b for b in batches if not instance.has_dynamic_partition(seed_batches.name, b)],
+        )
+        defs = build_definitions(checked.spec)
+        results = recipes.materialize_selected(
+            defs, checked.spec, checked.selected, batches, instance
+        )
+    failed = [r for r in results if not r.success]
+    click.echo(f"recipe {name}: {len(results)} runs, {len(failed)} failed")
+    if failed:
+        raise click.ClickException(f"recipe {name}: run {failed[0].run_id} failed")
+
+
+@main.group()
 def deploy() -> None:
     """Deployment profiles (RSTAR_DEPLOYMENT=local|hosts|k8s)."""
 
