@@ -7,6 +7,12 @@ the hardening steps measured in a worker-like container.
     python benchmarks/sandbox_throughput.py [--backend docker] [--workers N]
         [--clients 8 --repeat 5 --no-baselines]   # the spread of one figure
         [--preload '']                            # the cost of preloading numpy
+        [--service --repeat 5]                    # the HTTP service against the pool
+
+With `--service`: the in-process pool against one `rstar sandbox serve` with as many
+workers (its own process, on loopback, no load balancer), the same trivial jobs from 16
+threads in batches of 32, one after the other `--repeat` times; with the CPU a job costs
+outside the workers, in this process (the pool, or the HTTP client) and in the service's.
 
 Prints Markdown tables for docs/benchmarks.md, with the load average before and after
 each row: the machine may be shared. Not a test: figures depend on the machine.
@@ -15,8 +21,16 @@ each row: the machine may be shared. Not a test: figures depend on the machine.
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
-from rstar_sandbox import Sandbox
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from rstar_sandbox import Job, Sandbox
 from rstar_sandbox.bench import (
     HEADER,
     NUMPY_TRIVIAL,
@@ -31,6 +45,63 @@ from rstar_sandbox.bench import (
 )
 from rstar_sandbox.image import default_image
 from rstar_sandbox.workers import default_interpreter
+
+SERVICE_THREADS, SERVICE_BATCH = 16, 32
+
+
+def _cpu_s(pid: int) -> float:
+    """User and system CPU seconds of a process (not its children: the workers)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drive(sb, jobs: list[Job], pids: list[int]) -> tuple[float, list[float]]:
+    """jobs/s from SERVICE_THREADS callers in batches, and the CPU ms a job cost in each of
+    `pids`; every result checked against its job."""
+    chunks = [jobs[i : i + SERVICE_BATCH] for i in range(0, len(jobs), SERVICE_BATCH)]
+    before = [_cpu_s(pid) for pid in pids]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(SERVICE_THREADS) as pool:
+        results = [r for part in pool.map(sb.run, chunks) for r in part]
+    took = time.perf_counter() - start
+    expected = [str(sum(map(int, j.stdin.split()))) + "\n" for j in jobs]
+    assert [r.stdout for r in results] == expected, "lost or misordered results"
+    cpu = [(_cpu_s(pid) - b) / len(jobs) * 1e3 for pid, b in zip(pids, before, strict=True)]
+    return len(jobs) / took, cpu
+
+
+def service_rows(backend: str, workers: int | None, jobs: int, repeat: int) -> list[str]:
+    from tests.scale_out import servers
+
+    work = [Job(code=TRIVIAL, stdin=f"{i} {i}\n") for i in range(jobs)]
+    args = ["--backend", backend] + (["--workers", str(workers)] if workers else [])
+    proc, url = servers.sandbox_service(*args)
+    rows, ratios = [], []
+    try:
+        with (
+            Sandbox(backend=backend, workers=workers) as pool,
+            Sandbox(backend="http", urls=[url], batch_size=SERVICE_BATCH) as http,
+        ):
+            for sb in (pool, http):
+                _drive(sb, work[:200], [])  # warm up
+            for _ in range(repeat):
+                loads = load_average()
+                local, [local_cpu] = _drive(pool, work, [os.getpid()])
+                served, [client_cpu, service_cpu] = _drive(http, work, [os.getpid(), proc.pid])
+                ratios.append(served / local)
+                rows.append(
+                    f"| {local:.0f} | {local_cpu:.2f} | {served:.0f} | {client_cpu:.2f} | "
+                    f"{service_cpu:.2f} | {served / local:.2f} | {loads} {load_average()} |"
+                )
+    finally:
+        servers.stop(proc)
+    header = (
+        f"{backend} backend, {pool.workers} workers each, {jobs} trivial jobs per row\n\n"
+        "| pool jobs/s | pool CPU ms/job | service jobs/s | client CPU ms/job "
+        "| service CPU ms/job | service / pool | load |\n" + "| --- " * 7 + "|"
+    )
+    return [header, *rows, f"\nservice / pool, median: {statistics.median(ratios):.2f}"]
 
 
 def main() -> None:
@@ -47,8 +118,13 @@ def main() -> None:
     parser.add_argument("--cpu-jobs", type=int, default=200)
     parser.add_argument("--baseline-jobs", type=int, default=40)
     parser.add_argument("--no-baselines", action="store_true")
+    parser.add_argument("--service", action="store_true", help="the HTTP service against the pool")
     args = parser.parse_args()
     clients = [int(n) for n in args.clients.split(",")]
+    if args.service:
+        print(f"Machine: {machine()}\n")
+        print("\n".join(service_rows(args.backend, args.workers, args.trivial_jobs, args.repeat)))
+        return
 
     rows = []
 

@@ -3,8 +3,9 @@
     POST /v1/batches   {"id": "<batch id>", "jobs": [{"code": ..., "stdin": ..., ...}]}
         200  {"id": ..., "replayed": bool, "results": [...]}: one result per job, in job
              order; `replayed`: answered from an earlier request's run of this id
-        429  the bounded queue is full; `Retry-After` says when to ask again (the time
-             the queue takes to drain at the recent rate)
+        429  no room: the bounded queue is full and so is the waiting room beside it (as
+             many jobs again), or the batch waited there ADMIT_WAIT_S; `Retry-After` says
+             when to ask again (when the queue, at the recent rate, has room for it)
         400  a malformed body or job (the message names it), 401 without the token,
         409  a batch id reused for other jobs, 413 a batch larger than the whole queue
     GET /health        200 while serving (503 once shutting down): for load balancers
@@ -42,6 +43,11 @@ log = logging.getLogger("rstar_sandbox.service")
 MAX_BODY_BYTES = 256 << 20
 REMEMBERED_BATCHES = 4096  # finished batches kept to answer a retry from the same run
 RATE_WINDOW_S = 10.0  # the recent throughput that Retry-After is estimated from
+# How long a batch that finds the queue full waits for room before a 429 (Retry-After's cap):
+# a client told to come back would leave the workers idle once the queue drains (the pool
+# takes batches round-robin, so they end together), where a batch held here starts as soon
+# as there is room. A load balancer sends a retry of the same batch to the same service.
+ADMIT_WAIT_S = 30.0
 
 
 def is_loopback(host: str) -> bool:
@@ -125,9 +131,12 @@ class SandboxService:
         self.metrics = _Metrics()
         self.metrics.workers.set(sandbox.workers)
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # notified as batches finish
         self._queued = 0
+        self._waiting = 0  # jobs of the batches waiting for room
         self._runs: OrderedDict[str, _Run] = OrderedDict()
-        self._finished: deque[tuple[float, int]] = deque()  # (when, jobs) of recent batches
+        # (finished, jobs, admitted) of recent batches, by monotonic time
+        self._finished: deque[tuple[float, int, float]] = deque()
         self.serving = True
 
     def authorized(self, header: str | None) -> bool:
@@ -137,45 +146,68 @@ class SandboxService:
         return header is not None and hmac.compare_digest(header.encode(), expected.encode())
 
     def _admit(self, batch_id: str, digest: str, size: int) -> tuple[_Run, bool]:
-        """The run that answers this batch, and whether this request must start it."""
+        """The run that answers this batch, and whether this request must start it. A batch
+        that finds the queue full waits for room (see ADMIT_WAIT_S) while the waiting room has
+        room for it; a retry of its id that comes meanwhile joins whichever request gets in
+        first."""
+        if size > self.max_queue:
+            raise RequestError(
+                HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+                f"a batch of {size} jobs exceeds this service's queue of {self.max_queue}; "
+                "send smaller batches",
+            )
+        deadline, waiting = time.monotonic() + ADMIT_WAIT_S, 0
         with self._lock:
-            run = self._runs.get(batch_id)
-            if run is not None:
-                if run.digest != digest:
-                    raise RequestError(
-                        HTTPStatus.CONFLICT, f"batch id {batch_id!r} was used for other jobs"
-                    )
-                self.metrics.replayed.inc()
-                return run, False
-            if size > self.max_queue:
-                raise RequestError(
-                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-                    f"a batch of {size} jobs exceeds this service's queue of {self.max_queue}; "
-                    "send smaller batches",
-                )
-            if self._queued + size > self.max_queue:
-                self.metrics.rejected.inc()
-                wait = self._drain_seconds()
-                raise RequestError(
-                    HTTPStatus.TOO_MANY_REQUESTS,
-                    f"queue full ({self._queued} of {self.max_queue} jobs)",
-                    {"Retry-After": str(wait)},
-                )
-            self._queued += size
-            self.metrics.queued.set(self._queued)
-            run = self._runs[batch_id] = _Run(digest)
-            while len(self._runs) > REMEMBERED_BATCHES:
-                oldest = next(iter(self._runs))
-                if not self._runs[oldest].done.is_set():
-                    break
-                del self._runs[oldest]
-            return run, True
+            try:
+                while (run := self._runs.get(batch_id)) is None:
+                    if self._queued + size <= self.max_queue:
+                        return self._start(batch_id, digest, size), True
+                    if not self.serving:
+                        raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down")
+                    left = deadline - time.monotonic()
+                    if left <= 0 or self._waiting - waiting + size > self.max_queue:
+                        self.metrics.rejected.inc()
+                        raise RequestError(
+                            HTTPStatus.TOO_MANY_REQUESTS,
+                            f"queue full ({self._queued} of {self.max_queue} jobs, "
+                            f"{self._waiting - waiting} more waiting)",
+                            {"Retry-After": str(self._room_seconds(size - waiting))},
+                        )
+                    self._waiting += size - waiting
+                    waiting = size
+                    self._room.wait(left)
+            finally:
+                self._waiting -= waiting
+        if run.digest != digest:
+            message = f"batch id {batch_id!r} was used for other jobs"
+            raise RequestError(HTTPStatus.CONFLICT, message)
+        self.metrics.replayed.inc()
+        return run, False
+
+    def stop(self) -> None:
+        """Admit nothing more; the batches waiting for room are answered 503 (their clients
+        send them elsewhere)."""
+        with self._lock:
+            self.serving = False
+            self._room.notify_all()
+
+    def _start(self, batch_id: str, digest: str, size: int) -> _Run:
+        """Admit a batch (the lock held): its jobs counted in the queue, its run remembered."""
+        self._queued += size
+        self.metrics.queued.set(self._queued)
+        run = self._runs[batch_id] = _Run(digest)
+        while len(self._runs) > REMEMBERED_BATCHES:
+            oldest = next(iter(self._runs))
+            if not self._runs[oldest].done.is_set():
+                break
+            del self._runs[oldest]
+        return run
 
     def run_batch(self, batch_id: str, jobs: list[Job], digest: str) -> tuple[list[Result], bool]:
         """The batch's results, and whether they come from an earlier request's run."""
         run, starts = self._admit(batch_id, digest, len(jobs))
         if starts:
-            started = time.perf_counter()
+            admitted, started = time.monotonic(), time.perf_counter()
             try:
                 run.results = self.sandbox.run(jobs)
             except BaseException:
@@ -187,7 +219,8 @@ class SandboxService:
                 with self._lock:
                     self._queued -= len(jobs)
                     self.metrics.queued.set(self._queued)
-                    self._finished.append((time.monotonic(), len(jobs)))
+                    self._finished.append((time.monotonic(), len(jobs), admitted))
+                    self._room.notify_all()
                 run.done.set()
             self.metrics.batches.inc()
             self.metrics.batch_seconds.observe(took)
@@ -199,16 +232,20 @@ class SandboxService:
                 raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the batch's run failed")
         return run.results, not starts
 
-    def _drain_seconds(self) -> int:
-        """Retry-After: how long the queue takes to drain at the recent rate (whole
-        seconds, as HTTP has it; 1 while there is no rate to go by), at most 30."""
+    def _room_seconds(self, size: int) -> int:
+        """Retry-After: how long, at the recent rate, until the queue has room for `size` more
+        jobs (whole seconds, as HTTP has it; 1 while there is no rate to go by), at most 30.
+        The rate is over the time the recent batches took from their admission: a service
+        busy for less than the window is not taken for a slow one."""
         now = time.monotonic()
         while self._finished and self._finished[0][0] < now - RATE_WINDOW_S:
             self._finished.popleft()
-        done = sum(n for _, n in self._finished)
+        done = sum(n for _, n, _ in self._finished)
         if not done:
             return 1
-        return min(30, max(1, math.ceil(self._queued * RATE_WINDOW_S / done)))
+        since = max(now - RATE_WINDOW_S, min(admitted for _, _, admitted in self._finished))
+        excess = self._queued + self._waiting + size - self.max_queue
+        return min(30, max(1, math.ceil(excess * (now - since) / done)))
 
     def drain(self, timeout_s: float = 300.0) -> None:
         """Wait for the admitted jobs to finish (their replies are on their way)."""
@@ -219,12 +256,13 @@ class SandboxService:
 
     def health(self) -> dict[str, Any]:
         with self._lock:
-            queued = self._queued
+            queued, waiting = self._queued, self._waiting
         return {
             "status": "ok" if self.serving else "stopping",
             "workers": self.sandbox.workers,
             "backend": self.sandbox.backend,
             "queued_jobs": queued,
+            "waiting_jobs": waiting,
             "max_queue": self.max_queue,
         }
 
@@ -316,7 +354,7 @@ def serve(service: SandboxService, host: str, port: int) -> None:
     server = make_server(service, host, port)
 
     def stop(signum, frame) -> None:
-        service.serving = False
+        service.stop()
         threading.Thread(target=server.shutdown, daemon=True).start()
 
     signal.signal(signal.SIGTERM, stop)

@@ -14,10 +14,11 @@ import httpx
 import psutil
 import pytest
 
-from rstar_sandbox import OK, Job, Sandbox
+from rstar_sandbox import OK, Job, Result, Sandbox
 from rstar_sandbox.http_client import HttpSandbox
 from rstar_sandbox.jobs import BATCH_PATH
-from rstar_sandbox.service import SandboxService, make_server
+from rstar_sandbox.service import RequestError, SandboxService, make_server
+from tests.fakes.sandbox import GatedSandbox
 from tests.scale_out.servers import BIN, free_port, haproxy, require, sandbox_service, stop
 
 ECHO = "print(input())\n"
@@ -96,7 +97,8 @@ def test_full_queue_answers_429_and_the_client_backs_off():
         assert reply.status_code == 413 and "smaller batches" in reply.json()["error"]
         slow = Job(code="import time; time.sleep(0.2); print(input())\n", stdin="x\n")
         with ThreadPoolExecutor(4) as pool:
-            # Two raw batches fill the queue; a third is refused with a Retry-After.
+            # Two raw batches fill the queue, two more wait for room beside it (as many jobs
+            # again); a fifth is refused at once with a Retry-After.
             busy = [
                 pool.submit(
                     httpx.post,
@@ -104,25 +106,57 @@ def test_full_queue_answers_429_and_the_client_backs_off():
                     timeout=60,
                     json={"id": f"fill{i}", "jobs": [{"code": slow.code, "stdin": "x\n"}] * 4},
                 )
-                for i in range(2)
+                for i in range(4)
             ]
             time.sleep(0.3)
             refused = httpx.post(
-                f"{url}{BATCH_PATH}", json={"id": "third", "jobs": [{"code": "pass"}]}
+                f"{url}{BATCH_PATH}", json={"id": "fifth", "jobs": [{"code": "pass"}]}
             )
             assert refused.status_code == 429
             assert int(refused.headers["Retry-After"]) >= 1
-            assert [f.result().status_code for f in busy] == [200, 200]
+            assert [f.result().status_code for f in busy] == [200] * 4  # the waiting ones too
         jobs = [Job(code=ECHO, stdin=f"{i}\n") for i in range(48)]
         with HttpSandbox(urls=[url], batch_size=4, workers=8) as sb:
             results = _run_threads(sb, jobs, threads=4)
         assert [r.stdout for r in results] == [f"{i}\n" for i in range(48)]
         assert sb.stats["backoffs"] > 0  # it was told to wait, and waited
         # Exactly once: every job ran one time, however often it was refused first.
-        assert metric(url, "rstar_sandbox_jobs_total") == 2 * 4 + 48
+        assert metric(url, "rstar_sandbox_jobs_total") == 4 * 4 + 48
         assert metric(url, "rstar_sandbox_batches_rejected_total") >= sb.stats["backoffs"]
     finally:
         stop(proc)
+
+
+SIZES = (("a", 4), ("b", 2))
+
+
+def test_a_batch_waits_for_room_and_a_retry_of_it_joins_its_run():
+    sb = GatedSandbox()
+    service = SandboxService(sb, max_queue=4)
+    jobs = {name: [Job(code=ECHO, stdin=f"{name}{i}\n") for i in range(n)] for name, n in SIZES}
+
+    def until(what: str, value: int) -> None:
+        deadline = time.monotonic() + 10
+        while service.health()[what] != value:
+            assert time.monotonic() < deadline, f"{what} never reached {value}"
+            time.sleep(0.01)
+
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(service.run_batch, "a", jobs["a"], "digest-a")
+        until("queued_jobs", 4)
+        # The queue is full: b waits for room, and so does its retry (a dropped connection);
+        # the waiting room (as many jobs as the queue) then has no room for a third batch.
+        held = [pool.submit(service.run_batch, "b", jobs["b"], "digest-b") for _ in range(2)]
+        until("waiting_jobs", 4)
+        with pytest.raises(RequestError) as refused:
+            service.run_batch("c", jobs["b"][:1], "digest-c")
+        assert refused.value.status == 429 and int(refused.value.headers["Retry-After"]) >= 1
+        sb.gate.set()  # a ends: b runs at once, once
+        assert first.result()[0] == [Result(OK, 0, j.stdin, "", 0.0, 0.0, 0.0) for j in jobs["a"]]
+        answers = [h.result() for h in held]
+    assert answers[0][0] == answers[1][0] and sorted(r for _, r in answers) == [False, True]
+    assert sb.ran == jobs["a"] + jobs["b"]
+    assert service.health()["waiting_jobs"] == 0
 
 
 @pytest.fixture(scope="module")
