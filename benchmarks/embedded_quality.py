@@ -33,7 +33,7 @@ from rstar_pipelines.llm.decode_loop import common_prefix_length
 from rstar_pipelines.llm.transformers_backend import TransformersLLM
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 from rstar_sandbox.bench import machine
-from tests.conftest import SHARED_DATA
+from tests.fakes.repo import SHARED_DATA
 
 MATH500 = SHARED_DATA / "math500_test.json"  # read where it lives, never copied
 ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"

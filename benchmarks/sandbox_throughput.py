@@ -72,7 +72,7 @@ def _drive(sb, jobs: list[Job], pids: list[int]) -> tuple[float, list[float]]:
 
 
 def service_rows(backend: str, workers: int | None, jobs: int, repeat: int) -> list[str]:
-    from tests.scale_out import servers
+    from tests.fakes import servers
 
     work = [Job(code=TRIVIAL, stdin=f"{i} {i}\n") for i in range(jobs)]
     args = ["--backend", backend] + (["--workers", str(workers)] if workers else [])

@@ -37,9 +37,9 @@ from rstar_pipelines.deployment.instance import init_instance  # noqa: E402
 from rstar_pipelines.storage import read_table  # noqa: E402
 from rstar_sandbox import Job, Sandbox  # noqa: E402
 from rstar_sandbox.bench import machine  # noqa: E402
+from tests.fakes import servers  # noqa: E402
 from tests.fakes.coder import CHAIN, SEEDS, scripted_spec  # noqa: E402
 from tests.fakes.coder_location import materialize  # noqa: E402
-from tests.scale_out import servers  # noqa: E402
 
 ECHO = "print(input())\n"
 

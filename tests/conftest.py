@@ -2,21 +2,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.fakes.repo import REPO, RSTAR, SHARED_DATA
 
 # Without a GPU, Triton kernels run in its interpreter. Triton reads this when triton.language
 # is first imported (its standard-library functions become interpreted ones then), and other
 # packages may import it early, so it is set here, before any test module is collected.
 if not Path("/dev/nvidiactl").exists():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
-DEMO_SEEDS = REPO / "assets" / "seeds" / "demo" / "demo.jsonl"
 
 
 @pytest.fixture(autouse=True)
@@ -45,11 +42,6 @@ def math500() -> Path:
             pytest.fail(f"{path} is missing in CI")
         pytest.skip(f"{path} not present (it lives in ../shared/data beside the checkout)")
     return path
-
-
-# The `dagster` and `rstar` commands of this environment.
-DAGSTER = os.path.join(os.path.dirname(sys.executable), "dagster")
-RSTAR = os.path.join(os.path.dirname(sys.executable), "rstar")
 
 
 @dataclass(frozen=True)
@@ -87,32 +79,6 @@ def demo(tmp_path_factory) -> DemoRun:
         [RSTAR, "demo"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600
     )
     return DemoRun(home, data, proc.returncode, proc.stdout + proc.stderr)
-
-
-def dagster_cli(*args: str) -> subprocess.CompletedProcess:
-    """Run `dagster` from the repository root."""
-    return subprocess.run(
-        [DAGSTER, *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
-
-
-def materialize_seeds(defs, instance, batch: str):
-    """Seed ingestion for `batch` through Dagster, as the seed-file sensor's run does."""
-    import dagster as dg
-
-    return dg.materialize(
-        list(defs.assets),
-        selection=["seed_problems", "seed_rejects"],
-        partition_key=batch,
-        instance=instance,
-        resources=dict(defs.resources),
-    )
-
-
-def host_processes_matching(marker: str) -> list[str]:
-    """Command lines of the host's processes that contain `marker`."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
 
 
 # -- a tiny random Llama with the embedded model's real tokenizer (and chat template) --

@@ -9,7 +9,7 @@ from rstar_pipelines.cli import main
 from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.problems import seeds_of
 from rstar_pipelines.storage import query
-from tests.conftest import DEMO_SEEDS, dagster_cli
+from tests.fakes.repo import DEMO_SEEDS, dagster_cli
 
 
 def test_seeds_add_registers_the_partition(isolated_dirs):

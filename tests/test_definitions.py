@@ -6,7 +6,7 @@ import sys
 import dagster as dg
 
 from rstar_pipelines.definitions import defs
-from tests.conftest import REPO, dagster_cli
+from tests.fakes.repo import REPO, dagster_cli
 
 SNAPSHOT = REPO / "tests" / "snapshots" / "asset_graph.json"
 

@@ -13,8 +13,8 @@ from click.testing import CliRunner
 from rstar_pipelines import recipes
 from rstar_pipelines.cli import main
 from rstar_pipelines.storage import query
-from tests.conftest import SHARED_DATA
 from tests.fakes.openai_server import ScriptedOpenAIServer
+from tests.fakes.repo import SHARED_DATA
 
 PAPER, CPU = "paper-qwen-math", "cpu-gsm8k-200"
 POLICY = "Qwen/Qwen2.5-Math-7B-Instruct"

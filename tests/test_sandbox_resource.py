@@ -2,13 +2,8 @@ import dagster as dg
 
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_sandbox import server
-from tests.conftest import host_processes_matching
-
-
-@dg.asset
-def sums(sandbox: SandboxResource) -> dg.MaterializeResult:
-    results = sandbox.get().run_many("print(sum(map(int, input().split())))", ["1 2\n", "3 4\n"])
-    return dg.MaterializeResult(metadata={"outputs": [r.stdout.strip() for r in results]})
+from tests.fakes.repo import host_processes_matching
+from tests.fakes.sandbox import sums
 
 
 def test_sandbox_resource_runs_jobs_in_an_asset_and_stops_after(monkeypatch):

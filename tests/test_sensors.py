@@ -7,7 +7,7 @@ import dagster as dg
 
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.sensors import scan_seed_files
-from tests.conftest import DEMO_SEEDS, materialize_seeds
+from tests.fakes.repo import DEMO_SEEDS, materialize_seeds
 
 
 def _age(path, seconds=10):

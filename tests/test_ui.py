@@ -6,7 +6,6 @@ minute."""
 
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -15,7 +14,8 @@ import dagster as dg
 import httpx
 import pytest
 
-from tests.conftest import DAGSTER, REPO
+from tests.fakes.repo import DAGSTER, REPO
+from tests.fakes.servers import free_port
 
 CHROMIUM = Path("/usr/bin/chromium")
 # As the machine notes say works here: headless, and no background connections (the
@@ -60,12 +60,6 @@ def dg_defs():
     return defs
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _graphql(url: str, query: str, variables: dict | None = None) -> dict:
     response = httpx.post(f"{url}/graphql", json={"query": query, "variables": variables or {}})
     response.raise_for_status()
@@ -92,7 +86,7 @@ def dagster_dev(chromium, demo, monkeypatch, tmp_path):
     """`dagster dev` on the demo's home and data, on a free loopback port."""
     assert demo.returncode == 0, demo.output[-3000:]
     demo.use(monkeypatch)
-    port = _free_port()
+    port = free_port()
     log = (tmp_path / "dagster-dev.log").open("w")
     env = {**os.environ, "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     proc = subprocess.Popen(

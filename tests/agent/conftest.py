@@ -3,8 +3,7 @@ from __future__ import annotations
 import pytest
 
 from rstar_sandbox import Sandbox
-from tests.fakes.sandbox import CountingSandbox
-from tests.sandbox.conftest import require_backend
+from tests.fakes.sandbox import CountingSandbox, require_backend
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import time
 import dagster as dg
 import yaml
 
-from tests.conftest import DAGSTER, REPO
+from tests.fakes.repo import DAGSTER, REPO
 
 MATH = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 4), (10, 7), (6, 9), (12, 30), (8, 1)]]
 

@@ -14,7 +14,7 @@ from rstar_pipelines.coder.verification import (
     normalize_output,
 )
 from rstar_sandbox import RUNTIME_ERROR, TIMEOUT, Sandbox
-from tests.sandbox.conftest import require_backend
+from tests.fakes.sandbox import require_backend
 
 INPUTS = ["1 2\n", "10 -3\n", "0 0\n", "123456789 987654321\n"]
 SUMS = ["3", "7", "0", "1111111110"]

@@ -21,10 +21,10 @@ from rstar_pipelines.pipeline.stage import StageContext, StageInputError
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
-from tests.conftest import REPO
 from tests.fakes.agent import call
 from tests.fakes.llm import ScriptedLLM, ScriptedLLMResource
 from tests.fakes.math import SCRIPT, STEP_STOPS, A, D
+from tests.fakes.repo import REPO
 
 MATH_Q = "What is 2 + 3?"
 CODE_Q = "Read an integer n and print 2 * n."

@@ -12,9 +12,9 @@ from rstar_pipelines.definitions import build_definitions
 from rstar_pipelines.sandbox_resource import SandboxResource
 from tests.fakes.coder import CODER, scripted_spec
 from tests.fakes.llm import ScriptedLLMResource
+from tests.fakes.repo import REPO
 
 __all__ = ["defs", "materialize", "scripted_definitions"]
-REPO = Path(__file__).resolve().parents[2]
 
 
 def scripted_definitions() -> dg.Definitions:

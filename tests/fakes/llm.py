@@ -9,8 +9,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import ClassVar
 
-from rstar_pipelines.llm import LLM, Completion, Prompt, SamplingParams
+from rstar_pipelines.llm import LLM, TRANSFORMERS_REVISION, Completion, Prompt, SamplingParams
 from rstar_pipelines.llm.resource import LLMResource
+
+# How the transformers backend's model ids begin: its name and revision.
+TRANSFORMERS = f"transformers@{TRANSFORMERS_REVISION}"
 
 Reply = Callable[[Prompt, SamplingParams], Sequence[str | Completion]]
 

@@ -1,11 +1,40 @@
-"""Sandboxes over the real one (one that records its calls, one that runs each program once),
-and one that runs nothing until told to."""
+"""Sandboxes for tests: which backends run here, sandboxes over the real one (one that records
+its calls, one that runs each program once), one that runs nothing until told to, and an asset
+that runs jobs through the sandbox resource."""
 
 from __future__ import annotations
 
+import os
 import threading
 
-from rstar_sandbox import OK, Job, Result, Sandbox
+import dagster as dg
+import pytest
+
+from rstar_pipelines.sandbox_resource import SandboxResource
+from rstar_sandbox import OK, Job, Result, Sandbox, docker_available
+
+
+def require_backend(backend: str) -> None:
+    """Docker tests run wherever an engine answers, and must run in CI."""
+    if backend == "docker" and not docker_available():
+        if os.environ.get("CI"):
+            pytest.fail("CI must run the Docker sandbox tests, but no Docker engine answers")
+        pytest.skip("no Docker engine answers here")
+    if backend == "process" and os.geteuid() != 0 and not os.path.exists("/proc/self/ns/user"):
+        pytest.skip("the process backend needs root or user namespaces")
+
+
+def has_lean_zygote(backend: str) -> bool:
+    """Whether a worker runs stdlib-only jobs in a zygote without numpy: where its jobs
+    run as a uid of their own (Docker; the process backend when started as root)."""
+    return backend == "docker" or os.geteuid() == 0
+
+
+@dg.asset
+def sums(sandbox: SandboxResource) -> dg.MaterializeResult:
+    """Two sums run in the sandbox of the step's resource; their outputs as metadata."""
+    results = sandbox.get().run_many("print(sum(map(int, input().split())))", ["1 2\n", "3 4\n"])
+    return dg.MaterializeResult(metadata={"outputs": [r.stdout.strip() for r in results]})
 
 
 class CountingSandbox:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,11 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rstar_pipelines.llm import TRANSFORMERS_REVISION, export_embedded_model, load_llm
+from rstar_pipelines.llm import export_embedded_model, load_llm
+from tests.fakes.servers import free_port
 
 SERVER_READY_TIMEOUT_S = 180
-# How the transformers backend's model ids begin: its name and revision.
-TRANSFORMERS = f"transformers@{TRANSFORMERS_REVISION}"
 
 
 @pytest.fixture(scope="session")
@@ -39,16 +37,10 @@ def served_model_dir(tmp_path_factory, embedded_fp32_llm):
     return export_embedded_model(tmp_path_factory.mktemp("smollm2-hf"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_transformers_server(model_dir, log_path: Path) -> tuple[subprocess.Popen, str]:
     """`transformers serve` on a free loopback port, in its own process group (so a test can
     stop it and anything it started), once it answers; returns the process and its base URL."""
-    port = _free_port()
+    port = free_port()
     command = [
         sys.executable,
         "-m",

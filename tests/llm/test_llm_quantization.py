@@ -33,7 +33,7 @@ from rstar_pipelines.llm.quantized_linear import (
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
 from rstar_pipelines.pipeline.item_cache import ItemCache
-from tests.llm.conftest import TRANSFORMERS
+from tests.fakes.llm import TRANSFORMERS
 
 PROMPTS = ["The capital of France is", "1, 2, 3,", "Once upon a time"]
 

@@ -10,7 +10,7 @@ import pytest
 from rstar_pipelines.llm import SamplingParams
 from rstar_pipelines.llm.openai_backend import OpenAILLM
 from rstar_pipelines.llm.resource import LLMResource
-from tests.llm.conftest import TRANSFORMERS
+from tests.fakes.llm import TRANSFORMERS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 ENV = ("RSTAR_LLM_BACKEND", "RSTAR_LLM_MODEL", "RSTAR_LLM_BASE_URL", "RSTAR_LLM_API_KEY")

@@ -30,7 +30,7 @@ from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.llm.cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
 from rstar_pipelines.llm.quantized_linear import Int4Linear, Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
-from tests.llm.conftest import TRANSFORMERS
+from tests.fakes.llm import TRANSFORMERS
 
 BLOCK = 16
 CHARS = "abcdefghijklmnopqrstuvwxyz .,"

@@ -16,7 +16,7 @@ from rstar_pipelines.llm import LLM, SamplingParams, load_llm
 from rstar_pipelines.llm.decode_loop import GeneratedTextStopCriteria
 from rstar_pipelines.llm.transformers_backend import TransformersLLM, load_model_and_tokenizer
 from rstar_pipelines.llm.types import render_chat
-from tests.llm.conftest import TRANSFORMERS
+from tests.fakes.llm import TRANSFORMERS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]

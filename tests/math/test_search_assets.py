@@ -27,9 +27,9 @@ from rstar_pipelines.problems import VerifiedProblem
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
-from tests.conftest import REPO
 from tests.fakes.llm import ScriptedLLMResource
 from tests.fakes.math import QUESTION, SCRIPT, A, F, StepPolicy, golden_search, state
+from tests.fakes.repo import REPO
 
 # A question whose root's only sample is the right answer: one expansion ends its tree, while
 # the golden tree of QUESTION takes seven.

@@ -12,7 +12,7 @@ import pytest
 from rstar_sandbox import Job, Sandbox
 from rstar_sandbox.pool import docker_client
 from rstar_sandbox.workers import OWNER_LABEL
-from tests.sandbox.conftest import require_backend
+from tests.fakes.sandbox import require_backend
 
 
 @pytest.fixture(autouse=True)

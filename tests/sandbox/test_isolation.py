@@ -16,8 +16,8 @@ import uuid
 import pytest
 
 from rstar_sandbox import MEMORY_LIMIT, OK, RUNTIME_ERROR, Job, Sandbox
-from tests.conftest import host_processes_matching
-from tests.sandbox.conftest import has_lean_zygote
+from tests.fakes.repo import host_processes_matching
+from tests.fakes.sandbox import has_lean_zygote
 
 WORKER_ID = "os.readlink('/proc/self/ns/pid')"
 

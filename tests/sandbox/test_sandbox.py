@@ -18,8 +18,8 @@ from rstar_sandbox import (
     Sandbox,
 )
 from rstar_sandbox.server import needs_preloaded
-from tests.conftest import host_processes_matching
-from tests.sandbox.conftest import has_lean_zygote
+from tests.fakes.repo import host_processes_matching
+from tests.fakes.sandbox import has_lean_zygote
 
 ADD = "a, b = map(int, input().split())\nprint(a + b)\n"
 

@@ -1,6 +1,6 @@
 import pytest
 
-from tests.scale_out import servers
+from tests.fakes import servers
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fakes.coder import write_seeds
 from tests.fakes.coder_location import materialize
-from tests.scale_out.servers import new_database
+from tests.fakes.servers import new_database
 
 ASSETS = ["seed_problems", "seed_rejects", "synthesized_problems", "candidate_solutions"]
 CACHED = ("synthesized_problems", "candidate_solutions")

@@ -16,7 +16,7 @@ from rstar_pipelines.deployment.instance import init_instance
 from rstar_pipelines.storage import read_table
 from tests.fakes.coder import CHAIN, scripted_spec, write_seeds
 from tests.fakes.coder_location import materialize, scripted_definitions
-from tests.scale_out.servers import celery_worker, new_database, stop
+from tests.fakes.servers import celery_worker, new_database, stop
 
 BATCHES = ("t1", "t2")
 POOLS = scripted_spec().pools()

@@ -19,8 +19,8 @@ from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.deployment.instance import init_instance, pool_limits
 from rstar_pipelines.deployment.k8s import render_jobs
 from rstar_pipelines.storage import ParquetIOManager, query, read_table, write_table
-from tests.conftest import REPO
-from tests.scale_out.servers import new_database
+from tests.fakes.repo import REPO
+from tests.fakes.servers import new_database
 
 SNAPSHOT = REPO / "tests" / "snapshots" / "k8s_jobs.json"
 

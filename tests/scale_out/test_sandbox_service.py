@@ -10,16 +10,18 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import dagster as dg
 import httpx
 import psutil
 import pytest
 
+from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_sandbox import OK, Job, Result, Sandbox
 from rstar_sandbox.http_client import HttpSandbox
 from rstar_sandbox.jobs import BATCH_PATH
 from rstar_sandbox.service import RequestError, SandboxService, make_server
-from tests.fakes.sandbox import GatedSandbox
-from tests.scale_out.servers import BIN, free_port, haproxy, require, sandbox_service, stop
+from tests.fakes.sandbox import GatedSandbox, sums
+from tests.fakes.servers import BIN, free_port, haproxy, require, sandbox_service, stop
 
 ECHO = "print(input())\n"
 
@@ -217,11 +219,6 @@ def test_serving_beyond_loopback_needs_a_token():
 
 
 def test_the_pipeline_resource_points_at_the_service(local_service, monkeypatch):
-    import dagster as dg
-
-    from rstar_pipelines.sandbox_resource import SandboxResource
-    from tests.test_sandbox_resource import sums
-
     _, url = local_service
     monkeypatch.delenv("RSTAR_SANDBOX_BACKEND", raising=False)
     monkeypatch.setenv("RSTAR_SANDBOX_URLS", url)

@@ -6,7 +6,7 @@ import pytest
 
 from rstar_pipelines.seeds.parse import SeedFileError, find_seed_file, parse_seed_file, problem_id
 from rstar_pipelines.storage import schemas
-from tests.conftest import DEMO_SEEDS
+from tests.fakes.repo import DEMO_SEEDS
 
 MALFORMED = "\n".join(
     [

@@ -6,7 +6,7 @@ import dagster as dg
 
 from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.storage import query, read_table
-from tests.conftest import DEMO_SEEDS, dagster_cli, materialize_seeds
+from tests.fakes.repo import DEMO_SEEDS, dagster_cli, materialize_seeds
 
 
 def _metadata_by_asset(result) -> dict:

@@ -20,8 +20,8 @@ from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
 from rstar_pipelines.training.gate import GateTrainSettings
-from tests.conftest import REPO
-from tests.training.test_launch import launch
+from tests.fakes.repo import REPO
+from tests.fakes.training import launch
 
 
 def _solution(i: int) -> str:

@@ -26,8 +26,8 @@ from rstar_pipelines.training.base_models import load_trainable
 from rstar_pipelines.training.grpo import GRPOTrainConfig, rollout_tokens, train_grpo
 from rstar_pipelines.training.sft import SFTTrainConfig, train_sft
 from rstar_sandbox import Sandbox
-from tests.conftest import REPO
-from tests.training.test_launch import launch
+from tests.fakes.repo import REPO
+from tests.fakes.training import launch
 
 SYSTEM = "Answer inside <answer> </answer>."
 

@@ -29,21 +29,8 @@ from rstar_pipelines.storage.parquet_io import write_table
 from rstar_pipelines.training.launch import accelerate_command
 from rstar_pipelines.training.ppm import ProcessPreferenceModel
 from rstar_pipelines.training.run import RunConfig
-from tests.conftest import REPO
-from tests.training.test_ppm import separable_pairs
-
-
-def launch(tmp_path: Path, config: dict, name: str = "config.json") -> subprocess.CompletedProcess:
-    path = tmp_path / name
-    path.write_text(json.dumps(config))
-    return subprocess.run(
-        [sys.executable, "-m", "rstar_pipelines.training.launch", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-    )
-
+from tests.fakes.repo import REPO
+from tests.fakes.training import launch, separable_pairs
 
 # -- one SFT job, three ways: one process, two processes, killed and resumed ----------------
 

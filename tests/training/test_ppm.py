@@ -17,20 +17,7 @@ from rstar_pipelines.training.ppm import (
     split_heldout,
     train_ppm,
 )
-
-
-def separable_pairs(count: int) -> list[dict]:
-    """Chosen steps end with a step tag, rejected ones with an error: easy to tell apart."""
-    return [
-        {
-            "prompt": f"What is {i} + {i}?",
-            "chosen": f"x = {i} + {i}\nprint(x){STEP_END}",
-            "rejected": f"x = {i} - {i}\nNameError",
-            "pos_count": 2,
-            "neg_count": 1 + i % 2,
-        }
-        for i in range(count)
-    ]
+from tests.fakes.training import separable_pairs
 
 
 @pytest.fixture(scope="module")

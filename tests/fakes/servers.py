@@ -23,6 +23,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.fakes.repo import REPO
+
 BIN = Path(sys.executable).parent
 POSTGRES_BIN = Path("/usr/lib/postgresql/15/bin")
 
@@ -215,7 +217,7 @@ def celery_worker(env: dict, name: str, queues: str, log: Path | None = None) ->
     return subprocess.Popen(
         [str(BIN / "rstar"), "worker", "--queues", queues, "--name", name],
         env=env,
-        cwd=Path(__file__).resolve().parents[2],
+        cwd=REPO,
         stdout=log.open("w") if log else subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
         start_new_session=True,
