@@ -3,6 +3,7 @@ import math
 from pathlib import Path
 
 import dagster as dg
+import pytest
 from click.testing import CliRunner
 
 from rstar_pipelines.cli import main
@@ -21,6 +22,7 @@ def test_seeds_add_registers_the_partition(isolated_dirs):
         assert instance.has_dynamic_partition("seed_batches", "extra")
 
 
+@pytest.mark.slow
 def test_demo_console_fits_a_screen_per_stage(demo):
     """One line as each asset starts and one as it ends (rows and seconds), progress lines
     (not a terminal: every 10%), no Dagster events and no tqdm bars; the events are in the
@@ -45,6 +47,7 @@ def test_demo_console_fits_a_screen_per_stage(demo):
         assert noise not in demo.output
 
 
+@pytest.mark.slow
 def test_demo_materializes_the_graph(demo, monkeypatch):
     """The demo's outputs, every asset there and consistent with its upstream. The 135M
     model solves little, so few rows survive verification."""

@@ -128,6 +128,7 @@ def dagster_dev(chromium, demo, monkeypatch, tmp_path):
                 os.kill(int(pid), signal.SIGKILL)
 
 
+@pytest.mark.slow
 def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
     from playwright.sync_api import expect, sync_playwright
 

@@ -35,6 +35,7 @@ def _materialize(defs, resources, instance):
     )
 
 
+@pytest.mark.slow
 def test_chain_labels_and_caches(chain_defs, monkeypatch):
     defs, resources = chain_defs
     with dg.instance_for_test() as instance:

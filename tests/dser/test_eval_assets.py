@@ -256,6 +256,7 @@ def _metadata(instance, key):
     return {k: v.value for k, v in event.asset_materialization.metadata.items()}
 
 
+@pytest.mark.slow
 def test_the_evaluations_and_their_comparison(evaluation, tmp_path):
     defs, resources, policy, grpo, base = evaluation
     with dg.instance_for_test() as instance:

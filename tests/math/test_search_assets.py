@@ -187,6 +187,7 @@ def two_rounds(tmp_path, tiny_base):
     return spec, defs, resources
 
 
+@pytest.mark.slow
 def test_two_self_evolution_rounds(two_rounds):
     spec, defs, resources = two_rounds
     _write_upstream("b1")

@@ -36,6 +36,7 @@ def both_at_once(env: dict, batches: list[str]) -> None:
         assert "database is locked" not in log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("store", ["sqlite", "postgres"])
 def test_two_partitions_at_once(store, request, isolated_dirs, incoming, tmp_path):
     env = {**os.environ}

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import dagster as dg
+import pytest
 
 from rstar_pipelines.deployment.instance import init_instance
 from rstar_pipelines.storage import read_table
@@ -89,6 +90,7 @@ def local_reference(tmp_path: Path, monkeypatch) -> dict[str, list[dict]]:
     return lake_tables(data, "t1")
 
 
+@pytest.mark.slow
 def test_chain_runs_across_two_celery_workers(tmp_path, monkeypatch, postgres_url, redis_url):
     env = hosts_env(tmp_path, new_database(postgres_url), redis_url)
     monkeypatch.setenv("RSTAR_POSTGRES_URL", env["RSTAR_POSTGRES_URL"])
