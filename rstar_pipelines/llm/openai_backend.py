@@ -9,22 +9,35 @@ How the fleet is used (docs/llm-serving.md):
 - Each server is asked `GET /models` first: a vLLM server says `owned_by: "vllm"`
   (vllm/entrypoints/serve/engine/protocol.py, line 109, in vLLM 0.32.0). `model` defaults to
   the first model the first answering server lists.
-- All samples of a prompt go as ONE request with `n` to a server that honours it: vLLM does,
-  and gives each sample the seed `seed + index` (vllm/v1/engine/parallel_sampling.py, line 81),
-  as our one-request-per-sample fallback does; its `return_token_ids` gives each sample's token
-  count. One request per sample elsewhere (`transformers serve` ignores `n`), at temperature 0
-  (vLLM refuses n > 1 for greedy sampling), and on a server that answered fewer choices than
-  asked (it is then treated as one that ignores `n`). `n_per_request` declares it instead.
-- Each server gets at most `max_concurrency` sequences in flight (a request with n samples
-  counts n): by default 1024 on a vLLM server (its default `max_num_seqs` on H100/H200-class
-  GPUs, so its batch can fill; it queues the rest), 16 elsewhere (`transformers serve` decodes
-  one request at a time). New work goes to the least loaded server.
+- All samples of a prompt go as ONE request with `n` to a server that honours it, and every
+  choice of an answer is kept. vLLM honours `n`, and gives each sample the seed `seed + index`
+  (vllm/v1/engine/parallel_sampling.py, line 81), as our one-request-per-sample fallback does;
+  its `return_token_ids` gives each sample's token count. Any other server is probed once: the
+  first prompt with several samples asks it for two; a server that answers fewer choices than
+  asked (`transformers serve` answers one) or refuses `n` (llama.cpp answers HTTP 500 "Only one
+  completion choice is allowed") gets one request per sample from then on, and what it did
+  answer is kept. One request per sample at temperature 0 too (vLLM refuses n > 1 for greedy
+  sampling). `n_per_request` declares it instead. A request for samples i.. carries the seed
+  `seed + i`, so sample i gets `seed + i` whichever way it is asked for.
+- Each sample's token count: from `token_ids` where given, else from the served model's
+  tokenizer where it is on this machine (a local directory or the Hugging Face cache), else
+  the answer's `usage` split across its choices by text length and flagged
+  (`Completion.tokens_estimated`).
+- Each server has a window (sequences in flight, a request with n samples counting n) that
+  finds its capacity (`fleet_window.AdaptiveWindow`): it starts at 8 and grows while the server
+  decodes all it gets, read from the engine's `/metrics` (vLLM, SGLang, TGI, llama.cpp) or
+  llama.cpp's `/slots` where it answers them, else from the answers' decode speed; it settles
+  with a small queue at the server. `max_concurrency` caps it. New work goes to the least
+  loaded server.
 - 429 and 503 with `Retry-After`: nothing more goes to that server until then, and its window
-  halves (it grows back by one per answer). Connection errors, 5xx and 429 without it: the
-  server backs off exponentially and the request moves to another server (or waits for one).
-  A request that died with its server is sent again elsewhere; its completions are recorded
-  once, when an answer arrives, so none is lost or duplicated. The error comes when a request
-  has failed `max_retries + 1` times, or every server has failed that many times in a row.
+  halves. Connection errors, 5xx and 429 without it: the server backs off exponentially, its
+  window drops to one request until it answers, and the request moves to another server (or
+  waits for one). A request that died with its server is sent again elsewhere; its completions
+  are recorded once, when an answer arrives, so none is lost or duplicated. The error comes
+  when a request has failed `max_retries + 1` times, or every server has failed that many times
+  in a row.
+- `server_stats()` reports, per server: the window, requests, sequences, tokens, tokens/s,
+  retries (the stage metadata's `llm_servers` table).
 - `submit` returns one future per prompt, resolved as soon as that prompt's samples are in;
   `generate` waits for all of them. Requests run on an asyncio loop (aiohttp) in a thread of
   the client.
@@ -65,19 +78,19 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 
+from .fleet_window import POLL_S, AdaptiveWindow, Load, load_from_metrics, load_from_slots
 from .types import Completion, Prompt, SamplingParams, is_chat, truncate_at_stop
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
-# Sequences in flight per server by default: vLLM's default max_num_seqs for its OpenAI server
-# on GPUs with 70 GB or more (vllm/engine/arg_utils.py, `_get_default_max_num_seqs...`), else 16.
-VLLM_IN_FLIGHT = 1024
-OTHER_IN_FLIGHT = 16
+# What a server that does not take `n` answers a request with n > 1: llama.cpp says HTTP 500
+# "Only one completion choice is allowed" (400 in some versions), others 400 or 422.
+_REFUSED_N_STATUS = {400, 422, 500}
 # vLLM's greedy threshold (vllm/sampling_params.py, _SAMPLING_EPS): n > 1 is refused below it.
 GREEDY_BELOW = 1e-5
 MAX_BACKOFF_S = 30.0
@@ -137,16 +150,27 @@ def retry_after_s(header: str | None) -> float | None:
 @dataclass(eq=False)
 class _Server:
     url: str
-    limit: int | None = None  # sequences in flight at most; None until GET /models answered
-    window: int = 1  # the current limit: halved by Retry-After, regrown by answers
-    honours_n: bool = False
+    window: AdaptiveWindow | None = None  # None until GET /models answered
+    honours_n: bool | None = None  # None: not yet probed
+    probing_n: bool = False  # a request with n=2 is out to find out
     vllm: bool = False
+    load_path: str | None = None  # "/metrics" or "/slots" where the engine reports its load
     in_flight: int = 0
     failures: int = 0  # in a row
     last_failure: str = ""
     ready_at: float = 0.0  # loop time before which nothing is sent
     probing: bool = False
-    answered: int = 0  # sequences
+    requests: int = 0  # answered
+    sequences: int = 0
+    tokens: int = 0
+    retries: int = 0
+    first_sent: float | None = None
+    last_answer: float = 0.0
+
+    @property
+    def root(self) -> str:
+        """The server's address without the API path (/metrics and /slots live there)."""
+        return self.url.removesuffix("/v1")
 
 
 @dataclass(eq=False)
@@ -166,6 +190,16 @@ class _Job:
     samples: list[int]
     failures: list[str] = field(default_factory=list)
     failed_on: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class _Sent:
+    """A request on its way: its samples, the window's round and when it went."""
+
+    job: _Job
+    size: int
+    round: int
+    at: float
 
 
 class OpenAILLM:
@@ -196,6 +230,8 @@ class OpenAILLM:
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._servers = [_Server(url) for url in self.base_urls]
         self._model = model
+        self._tokenizer: Any = None
+        self._tokenizer_looked_up = False
         self.name = f"openai:{','.join(self.base_urls)}" + (f":{model}" if model else "")
         self._queue: deque[_Job] = deque()
         self._start_lock = threading.Lock()
@@ -296,7 +332,7 @@ class OpenAILLM:
         loop = asyncio.get_running_loop()
         now = loop.time()
         for server in self._servers:
-            if server.limit is None and not server.probing and server.ready_at <= now:
+            if server.window is None and not server.probing and server.ready_at <= now:
                 server.probing = True
                 self._start(self._probe(server))
         if self._queue and all(s.failures > self.max_retries for s in self._servers):
@@ -320,8 +356,15 @@ class OpenAILLM:
                 job.owner.started = True
                 if not job.owner.future.set_running_or_notify_cancel():
                     continue
+            if server.honours_n is None and size > 1:
+                server.probing_n = True
             server.in_flight += size
-            self._start(self._send(server, job, size))
+            server.first_sent = now if server.first_sent is None else server.first_sent
+            self._start(
+                self._send(
+                    server, _Sent(job, size, server.window.sent(server.in_flight, size), now)
+                )
+            )
         waits = [s.ready_at - now for s in self._servers if s.ready_at > now]
         return min(waits) if waits and self._queue else None
 
@@ -331,31 +374,35 @@ class OpenAILLM:
         task.add_done_callback(self._tasks.discard)
 
     def _size(self, server: _Server, job: _Job) -> int:
+        """How many of the job's samples go in one request to `server`: all where it honours
+        `n`; two to find out whether it does (one such request at a time); else one."""
         samples = len(job.samples)
-        if samples > 1 and server.honours_n and job.owner.params.temperature >= GREEDY_BELOW:
-            return samples
-        return 1
+        if samples == 1 or job.owner.params.temperature < GREEDY_BELOW:
+            return 1
+        if server.honours_n is None:
+            return 1 if server.probing_n else 2
+        return samples if server.honours_n else 1
 
     def _pick(self, job: _Job, now: float) -> _Server | None:
         """The least loaded server with room for the job; not one it failed on while a healthy
         server is left (the job then waits for room there)."""
-        usable = [s for s in self._servers if s.limit is not None]
+        usable = [s for s in self._servers if s.window is not None]
         if any(s.failures == 0 and s.url not in job.failed_on for s in usable):
             usable = [s for s in usable if s.url not in job.failed_on]
         ready = [
             s
             for s in usable
             if s.ready_at <= now
-            and (s.in_flight == 0 or s.in_flight + self._size(s, job) <= s.window)
+            and (s.in_flight == 0 or s.in_flight + self._size(s, job) <= s.window.limit)
         ]
-        return min(ready, key=lambda s: s.in_flight / s.window, default=None)
+        return min(ready, key=lambda s: s.in_flight / s.window.limit, default=None)
 
-    def server_stats(self) -> dict[str, dict[str, int]]:
-        """Per server: sequences answered, failures in a row, sequences in flight."""
-        return {
-            s.url: {"answered": s.answered, "failures": s.failures, "in_flight": s.in_flight}
-            for s in self._servers
-        }
+    def server_stats(self) -> dict[str, dict[str, float]]:
+        """Per server: its window (sequences in flight at most), requests and sequences
+        answered, completion tokens and tokens/s (from its first request to its last answer),
+        retries, failures in a row and sequences in flight."""
+        loop_time = self._loop.time() if self._loop is not None else 0.0
+        return {s.url: _report(s, loop_time) for s in self._servers}
 
     def _fail_everything(self) -> None:
         report = "; ".join(f"{s.url}: {s.last_failure}" for s in self._servers)
@@ -368,23 +415,66 @@ class OpenAILLM:
 
     async def _probe(self, server: _Server) -> None:
         try:
-            listed = (await self._get(server, "/models")).get("data") or []
+            listed = (await self._get(server.url + "/models")).get("data") or []
             if not listed and self._model is None:
                 raise LLMServerError(f"{server.url}/models lists no model; pass model=")
         except (aiohttp.ClientError, TimeoutError, LLMServerError, ValueError) as exc:
             self._server_failed(server, _describe(exc))
-        else:
-            if self._model is None:
-                self._model = listed[0]["id"]
-            fallback = listed[0] if listed else {}
-            entry = next((m for m in listed if m.get("id") == self._model), fallback)
-            server.vllm = entry.get("owned_by") == "vllm"
-            server.honours_n = server.vllm if self.n_per_request is None else self.n_per_request
-            default = VLLM_IN_FLIGHT if server.vllm else OTHER_IN_FLIGHT
-            server.limit = server.window = self.max_concurrency or default
-            server.failures = 0
-        finally:
             server.probing = False
+            self._wake.set()
+            return
+        if self._model is None:
+            self._model = listed[0]["id"]
+        fallback = listed[0] if listed else {}
+        entry = next((m for m in listed if m.get("id") == self._model), fallback)
+        server.vllm = entry.get("owned_by") == "vllm"
+        server.honours_n = True if server.vllm else self.n_per_request
+        server.load_path = await self._load_path(server)
+        reports_load = server.load_path is not None
+        server.window = AdaptiveWindow(cap=self.max_concurrency, reports_load=reports_load)
+        if reports_load:
+            self._start(self._watch_load(server))
+        server.failures = 0
+        server.probing = False
+        self._wake.set()
+        if not server.vllm and not self._tokenizer_looked_up:
+            self._tokenizer_looked_up = True
+            self._tokenizer = await asyncio.to_thread(_local_tokenizer, self._model)
+
+    async def _load_path(self, server: _Server) -> str | None:
+        """Where the server reports its load: `/metrics` with gauges this client reads, else
+        llama.cpp's `/slots`, else nowhere."""
+        for path in ("/metrics", "/slots"):
+            try:
+                await self._load(server, path)
+                return path
+            except (aiohttp.ClientError, TimeoutError, LLMServerError, ValueError):
+                continue
+        return None
+
+    async def _load(self, server: _Server, path: str) -> Load:
+        url = server.root + path
+        async with self._session.get(url) as response:
+            if response.status >= 400:
+                raise LLMServerError(f"GET {url} answered HTTP {response.status}")
+            if path == "/slots":
+                return load_from_slots(await response.json(content_type=None), server.in_flight)
+            load = load_from_metrics(await response.text())
+        if load is None:
+            raise LLMServerError(f"GET {url} reports no running and waiting gauges")
+        return load
+
+    async def _watch_load(self, server: _Server) -> None:
+        """Size the window from the server's load while it has work."""
+        while True:
+            await asyncio.sleep(POLL_S)
+            if server.in_flight == 0 or server.failures:
+                continue
+            try:
+                load = await self._load(server, server.load_path)
+            except (aiohttp.ClientError, TimeoutError, LLMServerError, ValueError):
+                continue  # a failed report is no sign of load: requests say more
+            server.window.observe(load, server.in_flight)
             self._wake.set()
 
     async def _find_model(self) -> None:
@@ -395,17 +485,17 @@ class OpenAILLM:
             self._wake.set()
             await asyncio.sleep(0.05)
 
-    async def _get(self, server: _Server, path: str) -> dict[str, Any]:
-        async with self._session.get(server.url + path) as response:
+    async def _get(self, url: str) -> dict[str, Any]:
+        async with self._session.get(url) as response:
             if response.status >= 400:
-                raise LLMServerError(f"GET {server.url}{path} answered HTTP {response.status}")
+                raise LLMServerError(f"GET {url} answered HTTP {response.status}")
             return await response.json(content_type=None)
 
-    async def _send(self, server: _Server, job: _Job, size: int) -> None:
-        owner = job.owner
-        path = "/chat/completions" if is_chat(owner.prompt) else "/completions"
+    async def _send(self, server: _Server, sent: _Sent) -> None:
+        job, size = sent.job, sent.size
+        path = "/chat/completions" if is_chat(job.owner.prompt) else "/completions"
         url = server.url + path
-        body = self._body(owner.prompt, owner.params, job.samples[0], size, server.vllm)
+        body = self._body(job.owner.prompt, job.owner.params, job.samples[0], size, server.vllm)
         try:
             async with self._session.post(url, json=body) as response:
                 status, text = response.status, await response.text()
@@ -415,24 +505,35 @@ class OpenAILLM:
             return
         finally:
             server.in_flight -= size
+            if size > 1 and server.honours_n is None:
+                server.probing_n = False
             self._wake.set()
         if status < 400:
-            self._answered(server, job, path, text)
-            return
-        failure = f"HTTP {status}: {text[:1000]}"
-        if status not in _RETRIED_STATUS:
-            self._settle_error(owner, LLMServerError(f"POST {url} answered {failure}"))
-            return
+            self._answered(server, sent, path, text)
+        elif size > 1 and server.honours_n is None and status in _REFUSED_N_STATUS:
+            server.honours_n = False  # it refuses n: one request per sample there
+            self._queue.appendleft(job)
+        elif status not in _RETRIED_STATUS:
+            failure = f"HTTP {status}: {text[:1000]}"
+            self._settle_error(job.owner, LLMServerError(f"POST {url} answered {failure}"))
+        else:
+            self._refused(server, job, status, text, retry_after)
+
+    def _refused(
+        self, server: _Server, job: _Job, status: int, text: str, retry_after: str | None
+    ) -> None:
+        server.retries += 1
         pause = retry_after_s(retry_after)
         if pause is not None and status in (429, 503):
             # The server asks for time: give it that, and fewer requests from now on.
             server.ready_at = max(server.ready_at, asyncio.get_running_loop().time() + pause)
-            server.window = max(1, server.window // 2)
+            server.window.overloaded()
             self._queue.appendleft(job)
             return
-        self._retry(server, job, failure)
+        self._retry(server, job, f"HTTP {status}: {text[:1000]}")
 
-    def _answered(self, server: _Server, job: _Job, path: str, text: str) -> None:
+    def _answered(self, server: _Server, sent: _Sent, path: str, text: str) -> None:
+        job = sent.job
         owner = job.owner
         try:
             completions = self._completions(json.loads(text), owner, len(job.samples))
@@ -440,9 +541,17 @@ class OpenAILLM:
             error = f"{server.url}{path} answered without {exc}: {text[:500]}"
             self._settle_error(owner, LLMServerError(error))
             return
+        now = asyncio.get_running_loop().time()
+        tokens = sum(c.completion_tokens for c in completions)
         server.failures = 0
-        server.answered += len(completions)
-        server.window = min(server.limit, server.window * 2)  # back to full after a failure
+        server.requests += 1
+        server.sequences += len(completions)
+        server.tokens += tokens
+        server.last_answer = now
+        if server.window.answered(sent.round, len(completions), tokens, now - sent.at):
+            server.window.decide()
+        if len(job.samples) > 1 and server.honours_n is None:
+            server.honours_n = len(completions) == len(job.samples)
         for sample, completion in zip(job.samples, completions, strict=False):
             owner.completions[sample] = completion
         if len(completions) < len(job.samples):  # it ignored n: one request per sample there
@@ -453,6 +562,7 @@ class OpenAILLM:
 
     def _retry(self, server: _Server, job: _Job, failure: str) -> None:
         self._server_failed(server, failure)
+        server.retries += 1
         job.failures.append(f"{server.url}: {failure}")
         job.failed_on.add(server.url)
         if len(job.failures) > self.max_retries:
@@ -465,7 +575,8 @@ class OpenAILLM:
     def _server_failed(self, server: _Server, failure: str) -> None:
         server.failures += 1
         server.last_failure = failure
-        server.window = 1  # one request at a time until it answers again
+        if server.window is not None:
+            server.window.failed()
         backoff = min(MAX_BACKOFF_S, self.retry_backoff * 2 ** min(server.failures - 1, 10))
         server.ready_at = asyncio.get_running_loop().time() + backoff
 
@@ -503,24 +614,44 @@ class OpenAILLM:
             body.update(continue_final_message=True, add_generation_prompt=False)
         return body
 
-    @staticmethod
-    def _completions(answer: dict[str, Any], owner: _Prompt, asked: int) -> list[Completion]:
-        """The answer's choices as completions, in sample order."""
-        choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
+    def _completions(self, answer: dict[str, Any], owner: _Prompt, asked: int) -> list[Completion]:
+        """The answer's choices (at most `asked`) as completions, in sample order, each with its
+        token count: `token_ids`, else the tokenizer, else `usage` split and flagged."""
+        choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))[:asked]
         if not choices:
             raise ValueError("choices")
         usage = answer["usage"]
-        prompt_tokens = usage["prompt_tokens"]
-        out = []
-        if len(choices) > 1 and any(c.get("token_ids") is None for c in choices):
-            return []  # no count of each sample's tokens: ask for them one by one
-        for choice in choices[:asked]:
-            tokens = usage["completion_tokens"] if len(choices) == 1 else len(choice["token_ids"])
-            out.append(_completion(choice, owner, prompt_tokens, tokens))
-        return out
+        completions = [_completion(choice, owner, usage["prompt_tokens"]) for choice in choices]
+        estimated = False
+        if len(choices) == 1:
+            counts = [usage["completion_tokens"]]
+        elif all(c.get("token_ids") is not None for c in choices):
+            counts = [len(c["token_ids"]) for c in choices]
+        elif self._tokenizer is not None:
+            counts = [_count_tokens(self._tokenizer, c) for c in completions]
+        else:
+            counts = split_count(usage["completion_tokens"], [len(c.text) for c in completions])
+            estimated = True
+        return [
+            replace(c, completion_tokens=k, tokens_estimated=estimated)
+            for c, k in zip(completions, counts, strict=True)
+        ]
 
 
-def _completion(choice: dict, owner: _Prompt, prompt_tokens: int, tokens: int) -> Completion:
+def split_count(total: int, weights: Sequence[int]) -> list[int]:
+    """`total` split in proportion to `weights` (evenly when they are all 0), as whole numbers
+    that add up to it (largest remainders)."""
+    weights = [w + 1 for w in weights]  # a choice with no text still cost a token (EOS)
+    shares = [total * w / sum(weights) for w in weights]
+    counts = [int(s) for s in shares]
+    by_remainder = sorted(range(len(shares)), key=lambda i: counts[i] - shares[i])
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def _completion(choice: dict, owner: _Prompt, prompt_tokens: int) -> Completion:
+    """A choice as a completion; its token count is set by the caller."""
     text = choice["message"]["content"] if is_chat(owner.prompt) else choice["text"]
     text, stop_string = truncate_at_stop(text or "", owner.params.stop)
     reason = choice.get("finish_reason")
@@ -531,7 +662,49 @@ def _completion(choice: dict, owner: _Prompt, prompt_tokens: int, tokens: int) -
         finish = "stop"
     else:
         finish = "length" if reason == "length" else "eos"
-    return Completion(text, finish, stop_string, prompt_tokens, tokens)
+    return Completion(text, finish, stop_string, prompt_tokens, 0)
+
+
+def _local_tokenizer(model: str | None) -> Any:
+    """The served model's tokenizer where it is on this machine (a directory, or the Hugging
+    Face cache), else None; never downloaded (a served name need not be a hub id)."""
+    if not model:
+        return None
+    try:
+        from pathlib import Path
+
+        if not Path(model, "tokenizer_config.json").is_file():
+            from huggingface_hub import try_to_load_from_cache
+
+            if not isinstance(try_to_load_from_cache(model, "tokenizer_config.json"), str):
+                return None
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model, local_files_only=True)
+    except Exception:  # any failure to load means: count another way
+        return None
+
+
+def _count_tokens(tokenizer: Any, completion: Completion) -> int:
+    """Tokens the model generated for `completion`: its text, the stop string it ended on, and
+    the end-of-sequence token."""
+    text = completion.text + (completion.stop_string or "")
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return len(ids) + (completion.finish_reason == "eos")
+
+
+def _report(server: _Server, now: float) -> dict[str, float]:
+    span = (server.last_answer or now) - (server.first_sent or now)
+    return {
+        "window": server.window.limit if server.window is not None else 0,
+        "requests": server.requests,
+        "sequences": server.sequences,
+        "tokens": server.tokens,
+        "tokens_per_s": server.tokens / span if span > 0 else 0.0,
+        "retries": server.retries,
+        "failures": server.failures,
+        "in_flight": server.in_flight,
+    }
 
 
 def _describe(exc: BaseException) -> str:

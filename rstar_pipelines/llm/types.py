@@ -56,7 +56,9 @@ class Completion:
     """One generated completion.
 
     `text` excludes the matched stop string (as vLLM and OpenAI return it). `completion_tokens`
-    counts every token the model generated, including the ones that made the stop string or EOS.
+    counts every token the model generated, including the ones that made the stop string or EOS;
+    `tokens_estimated` says it is an estimate (a server that counted only the tokens of all
+    samples together: the openai backend splits that count across them).
     """
 
     text: str
@@ -64,6 +66,7 @@ class Completion:
     stop_string: str | None
     prompt_tokens: int
     completion_tokens: int
+    tokens_estimated: bool = False
 
 
 @runtime_checkable
