@@ -40,6 +40,7 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 
+
 @dataclass(frozen=True)
 class Engine:
     owned_by: str

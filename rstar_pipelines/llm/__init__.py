@@ -67,8 +67,9 @@ def load_llm(backend: str = "transformers", model: str | None = None, **options:
       (default 4096) or sparse_threshold, sparse_backend ("torch", "triton", "tilelang";
       default "triton" on CUDA, else "torch").
     - openai: options base_url (required: one server, e.g. http://127.0.0.1:8000/v1, several
-      comma-separated, or a list), api_key, max_concurrency (sequences in flight per server),
-      n_per_request, max_retries, timeout; `model` defaults to the first model the servers list.
+      comma-separated, or a list), api_key, max_concurrency (a cap on each server's window of
+      sequences in flight), n_per_request, max_retries, timeout; `model` defaults to the first
+      model the servers list.
     - vllm: `model` is required (a Hugging Face id or directory); options go to `vllm.LLM`.
     """
     if backend == "transformers":

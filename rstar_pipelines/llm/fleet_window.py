@@ -33,8 +33,10 @@ MIN_QUEUE = 2
 DECODING_BELOW = 0.8
 # The best decode speed seen is forgotten slowly, so that a server slowed for good (shared with
 # other clients, or restarted on smaller hardware) is not taken to be queueing forever.
-BEST_DECAY = 0.97
+BEST_DECAY = 0.98
 MIN_ROUND_REQUESTS = 8
+MIN_ROUND_SEQUENCES = 16
+GROWTH = 1 / 8  # after the first sign of a queue: per report or round that shows none
 
 # Gauges of sequences running and waiting, by engine (their `/metrics` names).
 RUNNING_GAUGES = (
@@ -93,8 +95,8 @@ class AdaptiveWindow:
 
     It starts at `START` requests' worth of sequences. Until the first sign of a queue it
     doubles: each report that shows none, or (without reports) by the sequences of each answer,
-    which doubles it every round trip as TCP's slow start does; after that sign it grows by a
-    quarter each report or round with no queue. A request of n samples is held until its last
+    which doubles it every round trip as TCP's slow start does; after that sign it grows by an
+    eighth each report or round with no queue. A request of n samples is held until its last
     sample ends, so its decode speed per sequence in flight is lower the more samples it has,
     whatever the load: speeds are compared per request size.
     """
@@ -114,7 +116,8 @@ class AdaptiveWindow:
         self._tokens: dict[int, float] = {}
         self._sequence_s: dict[int, float] = {}
         self._requests = self._sequences = 0
-        self._round_sequences = self.limit // 4  # answered sequences a round needs at least
+        # answered sequences a round needs at least: half a window, so its speed is not noise
+        self._round_sequences = max(MIN_ROUND_SEQUENCES, self.limit // 2)
         self._full = False
         self._sent = self._in_flight_sum = 0
 
@@ -196,7 +199,7 @@ class AdaptiveWindow:
         if not self._full:
             return
         if not self.growing_fast:
-            self.limit = self._capped(self.limit * (1 + QUEUE_SHARE))
+            self.limit = self._capped(self.limit * (1 + GROWTH))
         elif self.reports_load:
             self.limit = self._capped(self.limit * 2)
 

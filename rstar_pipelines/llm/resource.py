@@ -40,8 +40,8 @@ class LLMResource(dg.ConfigurableResource):
     base_urls: list[str] | None = None
     api_key: str | None = None
     batch_size: int | None = None
-    # openai backend: sequences in flight per server (default: 1024 on vLLM, else 16), and
-    # whether a server honours `n` (default: detected, vLLM does).
+    # openai backend: sequences in flight per server at most (default: no cap, each server's
+    # window finds its capacity), and whether a server honours `n` (default: detected).
     max_concurrency: int | None = None
     n_per_request: bool | None = None
     device: str | None = None
@@ -88,6 +88,24 @@ class LLMResource(dg.ConfigurableResource):
             # Completions and tokens go to the running step's progress (progress.py).
             self._clients[key] = CountingLLM(llm)
         return self._clients[key]
+
+    def servers_table(self) -> str | None:
+        """Markdown: per server of the openai backend's fleets built here, the window it settled
+        at, requests, sequences, tokens/s and retries; None when no fleet was used."""
+        stats = {}
+        for client in self._clients.values():
+            report = getattr(client, "server_stats", None)
+            stats.update(report() if report else {})
+        if not any(s["requests"] or s["retries"] for s in stats.values()):
+            return None
+        lines = ["| server | window | requests | sequences | tokens/s | retries |",
+                 "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [
+            f"| {url} | {s['window']} | {s['requests']} | {s['sequences']} | "
+            f"{s['tokens_per_s']:.1f} | {s['retries']} |"
+            for url, s in stats.items()
+        ]
+        return "\n".join(lines)
 
     def check_sampling(self, params: SamplingParams, model: str | None = None) -> None:
         """Refuse, before any engine starts, sampling settings the backend of `model` would

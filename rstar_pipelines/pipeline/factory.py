@@ -311,6 +311,7 @@ def _run_stage(
     finally:
         ctx.close()
     result.metadata.update(ctx.cache_metadata())
+    result.metadata.update(ctx.serving_metadata())
     produced = _produced(asset, result)
     selected = {k: t for k, t in produced.items() if dg.AssetKey(k) in context.selected_asset_keys}
     progress.finished(

@@ -72,6 +72,13 @@ class StageContext:
         c = self._cache
         return {"cache_hits": c.hits, "cache_misses": c.misses, "cache_hit_rate": c.hit_rate}
 
+    def serving_metadata(self) -> dict[str, Any]:
+        """How the LLM servers the stage used were kept busy (`llm_servers`: the window each
+        settled at, requests, sequences, tokens/s, retries); nothing without a server fleet."""
+        llm = self.resources.get("llm")
+        table = llm.servers_table() if hasattr(llm, "servers_table") else None
+        return {"llm_servers": Markdown(table)} if table else {}
+
     def run_process(self, command: list[str]) -> None:
         """Run heavy work (training) in its own process, so that a crash or an
         out-of-memory kill there fails this stage instead of taking the run down."""

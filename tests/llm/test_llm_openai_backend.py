@@ -98,7 +98,7 @@ def test_two_servers_share_a_batch_and_one_dies_mid_batch(
     with closing(load_llm("openai", base_url=[transformers_server, other])) as llm:
         futures = llm.submit(prompts, params)
         deadline = time.monotonic() + 120
-        while llm.server_stats()[other]["answered"] < 2:  # it is serving: now kill it
+        while llm.server_stats()[other]["sequences"] < 2:  # it is serving: now kill it
             assert time.monotonic() < deadline, llm.server_stats()
             time.sleep(0.05)
         in_flight = llm.server_stats()[other]["in_flight"]
@@ -106,8 +106,8 @@ def test_two_servers_share_a_batch_and_one_dies_mid_batch(
         results = [f.result(timeout=300) for f in futures]
         stats = llm.server_stats()
     assert in_flight > 0  # it died holding requests, which went to the other server
-    assert stats[transformers_server]["answered"] >= 2 and stats[other]["answered"] >= 2
-    assert stats[transformers_server]["answered"] + stats[other]["answered"] == 20
+    assert stats[transformers_server]["sequences"] >= 2 and stats[other]["sequences"] >= 2
+    assert stats[transformers_server]["sequences"] + stats[other]["sequences"] == 20
     expected = embedded_fp32_llm.generate(prompts, params)
     assert results == expected
 
@@ -171,6 +171,64 @@ def test_a_server_that_ignores_n_gets_one_request_per_sample():
     assert [b.get("n") for b in posts] == [3, None, None, None, None, None]
 
 
+def _seeded_choices(body: dict, n: int, token_ids: bool = False) -> dict:
+    """`n` choices, choice i saying the seed it was drawn with (`seed + i`, as vLLM seeds)."""
+    choices = [
+        {"index": i, "text": f"s{body['seed'] + i}" * (i + 1), "finish_reason": "length"}
+        | ({"token_ids": [0] * (i + 1)} if token_ids else {})
+        for i in range(n)
+    ]
+    return {"choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens": 10 * n}}
+
+
+@pytest.mark.parametrize("kind", ["honours n", "ignores n", "refuses n"])
+def test_sample_i_gets_seed_plus_i_however_it_is_asked(kind):
+    """Whether a server takes all samples in one request, answers one choice, or refuses n,
+    sample i is drawn with seed + i, each sample is asked for once, and none is thrown away."""
+
+    def answer(method, path, body):
+        n = body.get("n", 1)
+        if kind == "refuses n" and n > 1:
+            return 500, {"error": {"message": "Only one completion choice is allowed"}}
+        return 200, _seeded_choices(body, n if kind == "honours n" else 1)
+
+    params = SamplingParams(n=5, temperature=0.8, max_tokens=8, seed=10)
+    with canned_server(answer) as (url, requests), served_by(url) as llm:
+        results = llm.generate(["p", "q", "r"], params)
+        results += llm.generate(["s"], params)  # after the probe's answer
+    expected = [f"s{10 + i}" for i in range(5)]
+    assert [[c.text[: len(e)] for c, e in zip(r, expected, strict=True)] for r in results] == [
+        expected
+    ] * 4
+    asked = [(b["prompt"], b["seed"] + i) for b in requests for i in range(b.get("n", 1))]
+    if kind == "refuses n":  # the probe it refused (llama.cpp) generated nothing
+        asked = [(b["prompt"], b["seed"]) for b in requests if "n" not in b]
+    if kind == "ignores n":  # what it was asked beyond its one choice, it never drew
+        asked = [(b["prompt"], b["seed"]) for b in requests]
+    assert sorted(asked) == sorted((p, 10 + i) for p in "pqrs" for i in range(5))
+    assert max(b.get("n", 1) for b in requests) == {"honours n": 5, "ignores n": 2,
+                                                    "refuses n": 2}[kind]  # fmt: skip
+
+
+def test_usage_split_across_choices_is_flagged_as_an_estimate():
+    def answer(method, path, body):
+        return 200, _seeded_choices(body, body.get("n", 1))
+
+    def ids(method, path, body):
+        return 200, _seeded_choices(body, body.get("n", 1), token_ids=True)
+
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=8, seed=0)
+    with canned_server(answer) as (url, _), served_by(url) as llm:
+        [[a, b]] = llm.generate(["p"], params)
+    # 20 tokens in usage, split by text length ("s0" and "s1s1", each and EOS): 8 and 12
+    assert (a.completion_tokens, b.completion_tokens) == (8, 12)
+    assert a.tokens_estimated and b.tokens_estimated
+    with canned_server(ids) as (url, _), served_by(url) as llm:
+        [[a, b]] = llm.generate(["p"], params)
+    assert (a.completion_tokens, b.completion_tokens) == (1, 2)
+    assert not a.tokens_estimated and not b.tokens_estimated
+
+
 def test_retry_after_is_honoured():
     times = []
 
@@ -200,7 +258,7 @@ def test_a_dead_server_in_the_list_is_left_out():
             results = llm.generate([f"p{i}" for i in range(20)], GREEDY)
             stats = llm.server_stats()
     assert [r[0].text for r in results] == [f"p{i}" for i in range(20)]
-    assert stats[url]["answered"] == 20 and stats[dead]["answered"] == 0
+    assert stats[url]["sequences"] == 20 and stats[dead]["sequences"] == 0
 
 
 def test_refused_connection_is_retried_then_reported():
@@ -276,9 +334,9 @@ def closed_port_url() -> str:
 
 
 class canned_server:
-    """A loopback HTTP server: `GET /models` lists model "m" (owned by `owned_by`); other
-    requests get `answer(method, path, body)` -> (status, JSON[, headers]). `requests` records
-    each request's JSON body (None for a GET)."""
+    """A loopback HTTP server: `GET /models` lists model "m" (owned by `owned_by`), other GETs
+    are not found; a POST gets `answer(method, path, body)` -> (status, JSON[, headers]).
+    `requests` records each POST's JSON body."""
 
     def __init__(self, answer, owned_by: str = "local"):
         self.answer = answer
@@ -295,7 +353,7 @@ class canned_server:
                 if self.path.endswith("/models"):
                     self._reply(200, {"data": [{"id": "m", "owned_by": outer.owned_by}]}, {})
                     return
-                self._answer(None)
+                self._reply(404, {"error": "not found"}, {})  # no /metrics, no /slots
 
             def do_POST(self):
                 self._answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))

@@ -32,10 +32,14 @@ def test_defaults_to_the_embedded_model_in_process(embedded_llm):
 def test_environment_picks_a_server(monkeypatch, transformers_server):
     monkeypatch.setenv("RSTAR_LLM_BACKEND", "openai")
     monkeypatch.setenv("RSTAR_LLM_BASE_URL", transformers_server)
-    with closing(LLMResource(max_concurrency=2).get_llm()) as llm:
+    resource = LLMResource(max_concurrency=2)
+    assert resource.servers_table() is None  # nothing asked yet
+    with closing(resource.get_llm()) as llm:
         assert isinstance(llm.wrapped, OpenAILLM) and llm.max_concurrency == 2
         [[completion]] = llm.generate(["The capital of France is"], GREEDY)
     assert completion.text.startswith(" Paris")
+    # the stage metadata's table: the window (capped at 2), 1 request, 1 sequence, 0 retries
+    assert f"| {transformers_server} | 2 | 1 | 1 | " in resource.servers_table()
 
 
 def test_fields_win_over_environment_and_roles_get_their_own_model(monkeypatch):
