@@ -107,6 +107,7 @@ def _run(url: str, prompts: list[str], n: int):
     return results, stats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", list(CAPACITY))
 def test_the_window_settles_near_each_engines_capacity(engine):
     """Within a factor of 2 of what the server decodes at once; then, with several samples a
@@ -130,6 +131,7 @@ def test_the_window_settles_near_each_engines_capacity(engine):
     assert served["requests"] == requests.get(engine, stats["requests"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["vllm", "ignores-n"])
 def test_the_window_follows_a_capacity_that_halves(engine):
     """A replica restarted with half the slots mid-run: the window comes down with it, and
