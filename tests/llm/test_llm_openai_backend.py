@@ -4,20 +4,19 @@ those cannot show (vLLM's `n`, Retry-After, malformed answers)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import threading
 import time
 from contextlib import closing
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
 from rstar_pipelines.llm import LLM, SamplingParams, load_llm
 from rstar_pipelines.llm.openai_backend import LLMServerError, parse_base_urls, retry_after_s
 from rstar_pipelines.llm.types import AsyncLLM, stream
+from tests.fakes.openai_server import CannedServer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -120,7 +119,7 @@ def test_submit_streams_each_prompt_as_it_finishes():
             release.wait(10)
         return 200, _completion_json(body["prompt"].upper())
 
-    with canned_server(answer) as (url, _), served_by(url) as llm:
+    with CannedServer(answer) as (url, _), served_by(url) as llm:
         assert isinstance(llm, AsyncLLM)
         order = []
         for index, [completion] in stream(llm, ["slow", "fast"], GREEDY):
@@ -140,7 +139,7 @@ def test_all_samples_of_a_prompt_go_as_one_request_to_vllm():
         return 200, {"choices": choices, "usage": {"prompt_tokens": 3, "completion_tokens": 99}}
 
     params = SamplingParams(n=4, temperature=0.8, max_tokens=8, seed=10)
-    with canned_server(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
+    with CannedServer(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
         [samples] = llm.generate(["p"], params)
         greedy = params.model_copy(update={"n": 2, "temperature": 0})
         [[greedy_a, greedy_b]] = llm.generate(["p"], greedy)
@@ -163,7 +162,7 @@ def test_a_server_that_ignores_n_gets_one_request_per_sample():
         return 200, _completion_json(f"s{body['seed']}")
 
     params = SamplingParams(n=3, temperature=0.8, max_tokens=8, seed=0)
-    with canned_server(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
+    with CannedServer(answer, owned_by="vllm") as (url, requests), served_by(url) as llm:
         [samples] = llm.generate(["p"], params)
         llm.generate(["q"], params)
     posts = [body for body in requests if body is not None]
@@ -193,7 +192,7 @@ def test_sample_i_gets_seed_plus_i_however_it_is_asked(kind):
         return 200, _seeded_choices(body, n if kind == "honours n" else 1)
 
     params = SamplingParams(n=5, temperature=0.8, max_tokens=8, seed=10)
-    with canned_server(answer) as (url, requests), served_by(url) as llm:
+    with CannedServer(answer) as (url, requests), served_by(url) as llm:
         results = llm.generate(["p", "q", "r"], params)
         results += llm.generate(["s"], params)  # after the probe's answer
     expected = [f"s{10 + i}" for i in range(5)]
@@ -218,12 +217,12 @@ def test_usage_split_across_choices_is_flagged_as_an_estimate():
         return 200, _seeded_choices(body, body.get("n", 1), token_ids=True)
 
     params = SamplingParams(n=2, temperature=0.8, max_tokens=8, seed=0)
-    with canned_server(answer) as (url, _), served_by(url) as llm:
+    with CannedServer(answer) as (url, _), served_by(url) as llm:
         [[a, b]] = llm.generate(["p"], params)
     # 20 tokens in usage, split by text length ("s0" and "s1s1", each and EOS): 8 and 12
     assert (a.completion_tokens, b.completion_tokens) == (8, 12)
     assert a.tokens_estimated and b.tokens_estimated
-    with canned_server(ids) as (url, _), served_by(url) as llm:
+    with CannedServer(ids) as (url, _), served_by(url) as llm:
         [[a, b]] = llm.generate(["p"], params)
     assert (a.completion_tokens, b.completion_tokens) == (1, 2)
     assert not a.tokens_estimated and not b.tokens_estimated
@@ -238,7 +237,7 @@ def test_retry_after_is_honoured():
             return 429, {"error": "queue full"}, {"Retry-After": "1"}
         return 200, _completion_json("ok")
 
-    with canned_server(answer) as (url, _), served_by(url) as llm:
+    with CannedServer(answer) as (url, _), served_by(url) as llm:
         [[completion]] = llm.generate(["hi"], GREEDY)
     assert completion.text == "ok" and len(times) == 2
     assert times[1] - times[0] >= 0.95
@@ -252,7 +251,7 @@ def test_a_dead_server_in_the_list_is_left_out():
         return 200, _completion_json(body["prompt"])
 
     dead = closed_port_url()
-    with canned_server(answer) as (url, _):
+    with CannedServer(answer) as (url, _):
         llm = load_llm("openai", model="m", base_url=f"{dead},{url}", retry_backoff=0.05)
         with closing(llm):
             results = llm.generate([f"p{i}" for i in range(20)], GREEDY)
@@ -273,7 +272,7 @@ def test_refused_connection_is_retried_then_reported():
 
 def test_server_errors_are_retried():
     answers = [(503, {"error": "busy"}), (503, {"error": "busy"}), (200, _completion_json("ok"))]
-    with canned_server(lambda *_: answers.pop(0)) as (url, requests), served_by(url) as llm:
+    with CannedServer(lambda *_: answers.pop(0)) as (url, requests), served_by(url) as llm:
         [[completion]] = llm.generate(["hi"], GREEDY)
     assert completion.text == "ok" and completion.finish_reason == "eos"
     assert len([r for r in requests if r is not None]) == 3
@@ -281,7 +280,7 @@ def test_server_errors_are_retried():
 
 def test_client_errors_are_not_retried():
     with (
-        canned_server(lambda *_: (400, {"error": "bad request"})) as (url, requests),
+        CannedServer(lambda *_: (400, {"error": "bad request"})) as (url, requests),
         served_by(url) as llm,
         pytest.raises(LLMServerError, match="HTTP 400.*bad request"),
     ):
@@ -331,56 +330,3 @@ def closed_port_url() -> str:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return f"http://127.0.0.1:{port}/v1"
-
-
-class canned_server:
-    """A loopback HTTP server: `GET /models` lists model "m" (owned by `owned_by`), other GETs
-    are not found; a POST gets `answer(method, path, body)` -> (status, JSON[, headers]).
-    `requests` records each POST's JSON body."""
-
-    def __init__(self, answer, owned_by: str = "local"):
-        self.answer = answer
-        self.owned_by = owned_by
-        self.requests: list[dict | None] = []
-
-    def __enter__(self):
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self):
-                if self.path.endswith("/models"):
-                    self._reply(200, {"data": [{"id": "m", "owned_by": outer.owned_by}]}, {})
-                    return
-                self._reply(404, {"error": "not found"}, {})  # no /metrics, no /slots
-
-            def do_POST(self):
-                self._answer(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
-
-            def _answer(self, body):
-                outer.requests.append(body)
-                status, payload, *headers = outer.answer(self.command, self.path, body)
-                self._reply(status, payload, headers[0] if headers else {})
-
-            def _reply(self, status, payload, headers):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1", self.requests
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
