@@ -6,7 +6,7 @@ reference's lock-step schedule.
     python benchmarks/llm_serving.py [--tick-ms 50] [--max-tokens 128] [--fill 12]
         [--engine vllm --engine llama.cpp ...] [--only client|stage|mcts]
 
-The fleet is simulated on loopback in a process of its own (tests/simulated_engines.py): vLLM
+The fleet is simulated on loopback in a process of its own (tests/fakes/simulated_engines.py): vLLM
 (token ids, load on `/metrics`), an engine that answers `n` choices with usage only, one that
 ignores `n`, and llama.cpp with 4 slots that queues the rest (`/slots`), each with its own
 capacity (`CAPACITY`), never told to the client. Every run uses the client's defaults (no
@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(REPO))
 
-from tests.simulated_engines import busy_fraction, fleet, fleet_stats  # noqa: E402
+from tests.fakes.simulated_engines import busy_fraction, fleet, fleet_stats  # noqa: E402
 
 # Sequences each engine's replica decodes at once (its capacity; the client is not told).
 CAPACITY = {"vllm": 128, "usage-only": 96, "ignores-n": 64, "llama.cpp": 4}

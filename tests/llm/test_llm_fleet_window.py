@@ -1,6 +1,7 @@
 """The window that finds each server's capacity (rstar_pipelines/llm/fleet_window.py): its rules
-on plain numbers, and the openai backend over the simulated engines of tests/simulated_engines.py
-(vLLM, usage only, ignores n, llama.cpp's few slots), each with a capacity the client is not told.
+on plain numbers, and the openai backend over the simulated engines of
+tests/fakes/simulated_engines.py (vLLM, usage only, ignores n, llama.cpp's few slots), each with
+a capacity the client is not told.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from rstar_pipelines.llm.fleet_window import (
     load_from_slots,
 )
 from rstar_pipelines.llm.openai_backend import split_count
-from tests.simulated_engines import fleet, fleet_stats
+from tests.fakes.simulated_engines import fleet, fleet_stats
 
 TICK_S = 0.02
 MAX_TOKENS = 64

@@ -18,8 +18,9 @@ The engines (`ENGINES`), as real ones differ:
 - "llama.cpp": `n` > 1 refused with HTTP 500 as llama.cpp does, `/slots` listing its few slots
   (`-np 4`), the rest queued.
 
-Run as `python -m tests.simulated_engines --serve vllm:128,vllm:128 --tick-ms 50`: the fleet in a
-process of its own (so a client's work does not slow its clock), printing its ports as JSON.
+Run as `python -m tests.fakes.simulated_engines --serve vllm:128,vllm:128 --tick-ms 50`: the
+fleet in a process of its own (so a client's work does not slow its clock), printing its ports
+as JSON.
 """
 
 from __future__ import annotations
@@ -34,11 +35,10 @@ import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.fakes.repo import REPO
 
 
 @dataclass(frozen=True)
@@ -242,7 +242,7 @@ def fleet(replicas: list[tuple[str, int]], tick_s: float):
     """Start the simulated fleet, replicas given as (engine, batch), in a process of its own;
     yields their base URLs."""
     spec = ",".join(f"{engine}:{batch}" for engine, batch in replicas)
-    command = [sys.executable, "-m", "tests.simulated_engines", "--serve", spec,
+    command = [sys.executable, "-m", "tests.fakes.simulated_engines", "--serve", spec,
                "--tick-ms", str(tick_s * 1000)]  # fmt: skip
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO)
     try:
