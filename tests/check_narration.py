@@ -3,7 +3,7 @@
 Code, comments and docs say what the project is and why; the history of how it got there lives
 in git. This scans the tracked files of a repository (`git ls-files`: Python, Markdown, YAML,
 TOML, shell and C sources, Makefiles and everything under .ci/) for the marks such narration
-leaves: a numbered work session, a work "round", a date of work in parentheses or after "on" /
+leaves: a numbered work session, a round of the work, a date of work in parentheses or after "on" /
 "as of". A line that uses such words legitimately (a quoted example, a fixture) ends with
 the marker `narration: allow`; keep those few.
 
@@ -27,8 +27,6 @@ PATTERNS = (
     re.compile(r"\bsessions?\s\d+", re.IGNORECASE),
     re.compile(r"\bsession\s(?:of|on)\s20\d\d", re.IGNORECASE),
     re.compile(r"\bthis\ssession\b", re.IGNORECASE),
-    # "this round's policy" is a self-evolution round's, not the work's.
-    re.compile(r"\bthis\sround\b(?!')", re.IGNORECASE),
     re.compile(r"\bround\sof\swork\b", re.IGNORECASE),
     re.compile(r"\((?:20\d\d-\d\d-\d\d)(?:/\d\d)?\)"),
     re.compile(r"\b(?:as\sof|on)\s20\d\d-\d\d-\d\d\b", re.IGNORECASE),

@@ -34,7 +34,7 @@ def repository_with(tmp_path: Path, files: dict[str, str], tracked: bool = True)
         ("The demo took 596 s in session 34.", "session 34"),  # narration: allow
         ("Figures of sessions 27-28 below.", "sessions 27"),  # narration: allow
         ("Tried in this session, not kept.", "this session"),  # narration: allow
-        ("A kernel built this round of work.", "this round"),  # narration: allow
+        ("A kernel built this round of work.", "round of work"),  # narration: allow
         ("Same machine (2026-12-02).", "(2026-12-02)"),  # narration: allow
         ("Measured as of 2026-12-01.", "as of 2026-12-01"),  # narration: allow
         ("33 us (session of 2026-12-02)", "session of 2026"),  # narration: allow
@@ -55,6 +55,7 @@ def test_legitimate_sessions_rounds_and_dates_pass(tmp_path: Path) -> None:
         "client = requests.Session()  # one HTTP session for every request\n"
         "# A database session per step; a Dagster session fixture (scope='session').\n"
         "# Self-evolution round 2 trains this round's policy from round 1's data.\n"
+        "# True when this round has enough answers to decide on.\n"
         'MEASURED = "measured 2026-12-04 on an AMD EPYC"\n'
     )
     repository = repository_with(tmp_path, {"pkg/module.py": text, "Makefile": "lint:\n"})
