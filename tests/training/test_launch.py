@@ -78,6 +78,7 @@ def weights(directory: Path) -> dict[str, torch.Tensor]:
     return load_file(directory / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_two_cpu_processes_train_as_one_with_twice_the_batch(one_process, tiny_base, tmp_path):
     data = tmp_path / "sft.parquet"
     pq.write_table(pa.Table.from_pylist(sft_rows()), data)
@@ -155,6 +156,7 @@ with dg.instance_for_test() as instance:
 """
 
 
+@pytest.mark.slow
 def test_a_killed_job_resumes_when_materialized_again(one_process, tiny_base, tmp_path):
     text = (REPO / "assets" / "pipeline.yaml").read_text()
     declared = "      train: {lr: 1.0e-5, epochs: 1, batch_size: 4, max_length: 1024}\n"
@@ -231,6 +233,7 @@ def ppm_config(tmp_path: Path, base: str, data: Path, **launch_settings) -> dict
     }
 
 
+@pytest.mark.slow
 def test_ppm_job_writes_checkpoint_and_metrics(tiny_base, tmp_path):
     data = tmp_path / "pairs.parquet"
     pq.write_table(pa.Table.from_pylist(separable_pairs(10)), data)
@@ -252,6 +255,7 @@ def test_ppm_job_writes_checkpoint_and_metrics(tiny_base, tmp_path):
     assert len(ppm.raw_scores(["What is 1 + 1?"], ["x = 2"])) == 1
 
 
+@pytest.mark.slow
 def test_bad_input_and_bad_launch_configs_exit_2_naming_the_problem(tiny_base, tmp_path):
     data = tmp_path / "pairs.parquet"
     rows = [{k: v for k, v in pair.items() if k != "neg_count"} for pair in separable_pairs(2)]
