@@ -28,6 +28,9 @@ from .decode import sparse_decode
 from .gate import AttnGate, GateConfig, _gate_inv_freq, rotate_half
 from .selection import select_blocks
 
+# Pages each step compresses beyond what its own writes can fill.
+CATCH_UP_PAGES = 64
+
 
 class HeadRotary:
     """The base model's RoPE over the full head dim (rotate_half form, as Llama/Qwen), read from
@@ -41,7 +44,10 @@ class HeadRotary:
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE values of post-RoPE `x [..., D]` at `positions` (broadcast to x[..., 0]);
         computed in fp32."""
-        freqs = positions[..., None].float() * self.inv_freq.to(x.device)
+        if self.inv_freq.device != x.device:
+            # Moved once: a copy from host memory in every step would wait on the stream.
+            self.inv_freq = self.inv_freq.to(x.device)
+        freqs = positions[..., None].float() * self.inv_freq
         angles = torch.cat((freqs, freqs), dim=-1)
         cos, sin = angles.cos(), angles.sin()
         x = x.float()
@@ -50,7 +56,11 @@ class HeadRotary:
 
 
 class PagedGateKeys:
-    """Gate keys of one layer's full pages, by physical page id."""
+    """Gate keys of one layer's full pages, by physical page id.
+
+    Both tables have one spare entry past the last page, where the masked-off lanes of the
+    fixed-size updates land, so no update needs a data-dependent size or a read on the host.
+    """
 
     def __init__(self, gate: AttnGate, num_pages: int, device: torch.device | str):
         c = gate.config
@@ -58,49 +68,57 @@ class PagedGateKeys:
         self.page_size = c.block_size
         self.num_pages = num_pages
         self.device = torch.device(device)
-        self.keys = torch.zeros(num_pages, c.num_kv_heads, c.gate_dim, device=device)
-        self.fresh = torch.zeros(num_pages, dtype=torch.bool, device=device)
+        self.keys = torch.zeros(num_pages + 1, c.num_kv_heads, c.gate_dim, device=device)
+        self.fresh = torch.zeros(num_pages + 1, dtype=torch.bool, device=device)
 
     def mark_written(self, slot_mapping: torch.Tensor) -> None:
         """Forget the pages that vLLM's cache update writes into (slot = page·b + offset)."""
-        slots = slot_mapping[slot_mapping >= 0].long()  # -1: padding tokens, not written
-        self.fresh[slots // self.page_size] = False
+        slots = slot_mapping.long()
+        # -1 marks padding tokens, which vLLM does not write: they go to the spare entry.
+        pages = torch.where(slots >= 0, slots // self.page_size, self.num_pages)
+        self.fresh.index_fill_(0, pages, False)
 
+    @torch.no_grad()
     def refresh(
         self,
         key_cache: torch.Tensor,
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         rotary: HeadRotary,
+        limit: int,
     ) -> None:
-        """Compress every full page of the batch that is not fresh."""
+        """Compress up to `limit` full pages of the batch that are not fresh, the earliest rows'
+        earliest pages first. Exactly `limit` pages are pooled whatever the data (the lanes
+        without a stale page pool page 0 into the spare entry). A stale page left over keeps
+        the keys it holds until a later step compresses it."""
         b = self.page_size
-        full = seq_lens.long() // b  # [B]
-        logical = torch.arange(block_table.shape[1], device=block_table.device)
-        in_use = logical[None, :] < full[:, None]
-        pages = block_table.long()[in_use]
-        blocks = logical.expand_as(block_table)[in_use]
-        stale = ~self.fresh[pages]
-        pages, blocks = pages[stale], blocks[stale]
-        if pages.numel() == 0:
-            return
-        # A page shared by several requests sits at the same logical index in each of them.
-        pages, first = _unique_with_first(pages)
-        blocks = blocks[first]
+        width = block_table.shape[1]
+        pages = block_table.long().reshape(-1)
+        logical = torch.arange(width, device=pages.device)
+        in_use = (logical[None, :] < (seq_lens.long() // b)[:, None]).reshape(-1)
+        stale = in_use & ~self.fresh[pages]
+        # Distinct priorities (exact in fp32 below 2**24 entries): earlier entries rank higher.
+        rank = torch.arange(pages.numel(), 0, -1, device=pages.device, dtype=torch.float32)
+        top, picked = torch.where(stale, rank, 0.0).topk(min(limit, pages.numel()))
+        chosen = top > 0
+        source = torch.where(chosen, pages[picked], 0)
+        target = torch.where(chosen, source, self.num_pages)
+        blocks = picked % width
         positions = blocks[:, None] * b + torch.arange(b, device=pages.device)  # [n, b]
-        k = rotary.unrotate(key_cache[pages], positions[:, :, None])  # [n, b, H_kv, D]
+        k = rotary.unrotate(key_cache[source], positions[:, :, None])  # [n, b, H_kv, D]
         pooled = self.gate.pool(k.transpose(1, 2))  # [n, H_kv, 1, 3D]
         gk = self.gate.keys(pooled, (blocks * b)[:, None])  # [n, H_kv, 1, d]
-        self.keys[pages] = gk[:, :, 0].to(self.keys.dtype)
-        self.fresh[pages] = True
+        # A page shared by several requests sits at the same logical index in each of them, so
+        # duplicate targets receive identical keys.
+        self.keys.index_copy_(0, target, gk[:, :, 0].to(self.keys.dtype))
+        self.fresh.index_fill_(0, target, True)
 
 
-def _unique_with_first(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unique values and the index of each one's first occurrence."""
-    unique, inverse = torch.unique(values, return_inverse=True)
-    order = torch.arange(values.numel(), device=values.device)
-    first = torch.full_like(unique, values.numel()).scatter_reduce(0, inverse, order, "amin")
-    return unique, first
+def refresh_limit(num_tokens: int, num_reqs: int, page_size: int, catch_up: int) -> int:
+    """How many pages a step compresses: every page its `num_tokens` cache writes can fill (a
+    request's run of tokens touches at most ceil(n / b) + 1 pages), plus `catch_up` left over
+    from earlier steps (a cache written before the layer saw it)."""
+    return num_tokens // page_size + 2 * num_reqs + catch_up
 
 
 def gather_selected(
@@ -136,6 +154,7 @@ def gather_selected(
     return k, v, slots, seqlens, (b - filled).to(torch.int32)
 
 
+@torch.no_grad()
 def paged_sparse_decode(
     gate: AttnGate,
     gate_keys: PagedGateKeys,
@@ -150,22 +169,32 @@ def paged_sparse_decode(
     threshold: float | None = None,
     backend: str = "triton",
     scale: float | None = None,
+    refresh_pages: int | None = None,
 ) -> torch.Tensor:
     """One decode token per request: post-RoPE `query [B, H_q, D]` (its key already in the
-    cache), `seq_lens [B]` including it. Returns the attention output `[B, H_q, D]`."""
+    cache), `seq_lens [B]` including it. Returns the attention output `[B, H_q, D]`.
+
+    Every shape is fixed by B, the block table's width and the selection rule, never by the
+    data: the blocks are scored over the whole table width (pages past a row's end masked), and
+    `refresh_pages` pages are compressed (default: what B decode tokens can fill, plus
+    CATCH_UP_PAGES; 0 when the caller has compressed them)."""
     b = gate.config.block_size
     if key_cache.shape[1] != b:
         raise ValueError(
             f"the KV cache's page size is {key_cache.shape[1]}; SeerAttention-R needs it equal "
             f"to the gate's block size {b} (run vLLM with block_size={b})"
         )
-    gate_keys.refresh(key_cache, block_table, seq_lens, rotary)
+    if refresh_pages is None:
+        batch = block_table.shape[0]
+        refresh_pages = refresh_limit(batch, batch, b, CATCH_UP_PAGES)
+    if refresh_pages:
+        gate_keys.refresh(key_cache, block_table, seq_lens, rotary, refresh_pages)
     position = seq_lens.long() - 1
     q_pre = rotary.unrotate(query, position[:, None]).to(query.dtype)
     gq = gate.query(q_pre[:, :, None], position[:, None])  # [B, H_kv, 1, d]
     full = seq_lens.long() // b
-    width = max(int(full.max()), 1)
-    pages = block_table[:, :width].long()
+    width = block_table.shape[1]
+    pages = block_table.long()
     gk = gate_keys.keys[pages].permute(0, 2, 1, 3).to(gq.dtype)  # [B, H_kv, N, d]
     valid = torch.arange(width, device=pages.device)[None, :] < full[:, None]
     logits = gate.logits(gq, gk, valid)[:, :, 0]

@@ -12,11 +12,24 @@ Per (row, KV head), over the blocks `first_block[b] <= j < num_blocks[b]`:
 The result is int32 `[B, H_kv, S]`, sorted descending (the current block first), -1 padded, with
 `S = token_budget // block_size + 2` (budget) or `N + 2` (threshold), so its width does not depend
 on the scores.
+
+Selection launches the same kernels whatever the scores and never reads a tensor on the host, so a
+decode step on a GPU does not wait for it. Integer arguments are checked always; per-row tensor
+arguments (whose check would read them back) only with RSTAR_SEER_DEBUG=1.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+DEBUG_ENV = "RSTAR_SEER_DEBUG"
+
+
+def debug_checks() -> bool:
+    """Whether checks that read GPU tensors back on the host (and so stall the stream) run."""
+    return os.environ.get(DEBUG_ENV) == "1"
 
 
 def _per_row(value: int | torch.Tensor, batch: int, name: str, device) -> torch.Tensor:
@@ -27,6 +40,18 @@ def _per_row(value: int | torch.Tensor, batch: int, name: str, device) -> torch.
     if value.dtype.is_floating_point:
         raise TypeError(f"{name} must hold integers, got {value.dtype}")
     return value.to(device=device, dtype=torch.long)
+
+
+def _check_rows(total: torch.Tensor, first: torch.Tensor, scored: int) -> None:
+    if bool((total < 1).any()) or bool((total > scored + 1).any()):
+        raise ValueError(
+            f"num_blocks must be in [1, N + 1] = [1, {scored + 1}] (logits score N complete "
+            f"blocks), got {total.tolist()}"
+        )
+    if bool((first < 0).any()) or bool((first >= total).any()):
+        raise ValueError(
+            f"first_block must lie in [0, num_blocks), got {first.tolist()} for {total.tolist()}"
+        )
 
 
 def check_selection(token_budget: int | None, threshold: float | None) -> None:
@@ -66,15 +91,10 @@ def select_blocks(
     device = logits.device
     total = _per_row(num_blocks, batch, "num_blocks", device)
     first = _per_row(first_block, batch, "first_block", device)
-    if bool((total < 1).any()) or bool((total > scored + 1).any()):
-        raise ValueError(
-            f"num_blocks must be in [1, N + 1] = [1, {scored + 1}] (logits score N complete "
-            f"blocks), got {total.tolist()}"
-        )
-    if bool((first < 0).any()) or bool((first >= total).any()):
-        raise ValueError(
-            f"first_block must lie in [0, num_blocks), got {first.tolist()} for {total.tolist()}"
-        )
+    if isinstance(num_blocks, int) and isinstance(first_block, int):
+        _check_rows(torch.tensor([num_blocks]), torch.tensor([first_block]), scored)
+    elif debug_checks():
+        _check_rows(total, first, scored)
 
     width = scored + 1  # room for a current block that is still partial, hence unscored
     block = torch.arange(width, device=device)

@@ -38,7 +38,13 @@ from dataclasses import dataclass
 import torch
 
 from .gate import AttnGate, GateConfig
-from .paged import HeadRotary, PagedGateKeys, paged_sparse_decode
+from .paged import (
+    CATCH_UP_PAGES,
+    HeadRotary,
+    PagedGateKeys,
+    paged_sparse_decode,
+    refresh_limit,
+)
 from .selection import check_selection
 
 # vLLM's kv_cache_dtype strings whose cache holds the model's own fp16/bf16 values.
@@ -137,18 +143,32 @@ class SeerLayer:
         block_table: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        num_decodes: int | None = None,
+        num_tokens: int | None = None,
     ) -> torch.Tensor:
-        """Attention of one new token per request (`query [n, H_q, D]`, post-RoPE, its key
-        already in the cache) over the blocks the gate selects; returns `[n, H_q, D]`."""
+        """Attention of the step's decode rows over the blocks the gate selects.
+
+        The step's requests are vLLM's, decodes first (the backend's builder reorders them so):
+        rows `:num_decodes` (default: all) each have one new token, `query[:num_decodes]`
+        (`[n, H_q, D]`, post-RoPE, its key already in the cache); the other rows are prefill
+        chunks, attended densely by the caller. The pages every row's writes filled (at most
+        what `num_tokens` tokens can fill, default one per row) are compressed first, so a
+        request's first decode step finds its prompt's pages compressed. Returns `[n, H_q, D]`,
+        which depends on the decode rows alone, not on what they are batched with."""
         c = self.gate.config
         gate_keys = self.gate_keys(kv_cache)
         key_cache, value_cache = split_kv_cache(kv_cache, c.head_dim)
-        n = query.shape[0]
+        num_reqs = seq_lens.shape[0]
+        n = num_reqs if num_decodes is None else num_decodes
+        limit = refresh_limit(
+            num_reqs if num_tokens is None else num_tokens, num_reqs, c.block_size, CATCH_UP_PAGES
+        )
+        gate_keys.refresh(key_cache, block_table[:num_reqs], seq_lens, self.rotary, limit)
         return paged_sparse_decode(
             self.gate,
             gate_keys,
             self.rotary,
-            query,
+            query[:n],
             key_cache,
             value_cache,
             block_table[:n],
@@ -157,4 +177,5 @@ class SeerLayer:
             threshold=self.selection.threshold,
             backend=self.selection.kernel,
             scale=scale,
+            refresh_pages=0,
         )

@@ -15,6 +15,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 from rstar_kernels import sparse_decode_reference
 from rstar_kernels.cache import CompressedKeyCache
 from rstar_kernels.gate import GateConfig, SeerGates
+from rstar_kernels.host_sync import count_host_syncs
 from rstar_kernels.paged import HeadRotary, PagedGateKeys, gather_selected, paged_sparse_decode
 from rstar_kernels.selection import select_blocks
 from rstar_kernels.vllm_layout import (
@@ -211,11 +212,12 @@ def test_split_views_are_vllms_and_pages_are_counted_by_blocks(layout):
     _, _, gate = _gate()
     layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
     gate_keys = layer.gate_keys(kv_cache)
-    assert gate_keys.num_pages == NUM_BLOCKS and gate_keys.fresh.shape == (NUM_BLOCKS,)
+    # One spare entry past the last page takes the masked-off lanes of fixed-size updates.
+    assert gate_keys.num_pages == NUM_BLOCKS and gate_keys.fresh.shape == (NUM_BLOCKS + 1,)
     gate_keys.fresh[:] = True
     # The last page's slots (past what a count by KV heads would have sized).
     layer.mark_written(kv_cache, torch.tensor([(NUM_BLOCKS - 1) * BLOCK + 3, -1, 2 * BLOCK]))
-    assert (~gate_keys.fresh).nonzero().flatten().tolist() == [2, NUM_BLOCKS - 1]
+    assert (~gate_keys.fresh[:NUM_BLOCKS]).nonzero().flatten().tolist() == [2, NUM_BLOCKS - 1]
     assert layer.gate_keys(kv_cache) is gate_keys
     [bigger] = vllm_kv_caches(1, layout, num_blocks=NUM_BLOCKS + 8)
     assert layer.gate_keys(bigger).num_pages == NUM_BLOCKS + 8  # a new cache starts afresh
@@ -225,14 +227,15 @@ def test_split_views_are_vllms_and_pages_are_counted_by_blocks(layout):
 def test_pages_are_compressed_again_only_after_writes(layout, monkeypatch):
     """Prefill, then decode token by token in vLLM's order (the new token's cache write, then
     attention): each step equals the contiguous path, and only pages written since their last
-    compression are pooled again: every full page on the first step, later only a page that the
-    step's token has just filled."""
+    compression are compressed again: every full page on the first step, later only a page
+    that the step's token has just filled. Every step pools the same number of pages (a fixed
+    shape), whatever the data."""
     model_config, _, gate = _gate()
     prompt, steps = [2 * BLOCK + 4, BLOCK + 1], BLOCK - 2
     requests = Requests(model_config, [n + steps for n in prompt], seed=3)
     [kv_cache] = vllm_kv_caches(1, layout)
     layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
-    pooled = []
+    pooled, per_step = [], set()
     pool = gate.pool
     monkeypatch.setattr(gate, "pool", lambda k, *a: pooled.append(k.shape[0]) or pool(k, *a))
 
@@ -246,15 +249,47 @@ def test_pages_are_compressed_again_only_after_writes(layout, monkeypatch):
                      requests.v[row, :, token].transpose(0, 1), slots)  # fmt: skip
             layer.mark_written(kv_cache, slots)
         now = requests.at(model_config, lens)
+        full_pages = [int(requests.block_table[r, j]) for r, n in enumerate(lens)
+                      for j in range(n // BLOCK)]  # fmt: skip
+        fresh = layer.gate_keys(kv_cache).fresh
+        stale = [page for page in full_pages if not fresh[page]]
         pooled.clear()
         out = layer.decode(now.q_post, kv_cache, now.block_table, now.seq_lens, DIM**-0.5)
-        expected_pooled = (
+        per_step.add(tuple(pooled))
+        expected_stale = (
             sum(n // BLOCK for n in lens) if step == 0 else sum(n % BLOCK == 0 for n in lens)
         )
-        assert sum(pooled) == expected_pooled, (step, lens)
+        assert len(stale) == expected_stale, (step, lens)
+        assert all(fresh[page] for page in full_pages)
         torch.testing.assert_close(
             out, now.expected(gate, {"token_budget": BLOCK}), atol=2e-5, rtol=2e-5
         )
+    assert len(per_step) == 1, per_step
+
+
+def test_compression_is_bounded_per_step_and_catches_up():
+    """With more stale pages than a step may compress, each step compresses `refresh_pages` of
+    them, the earliest rows' earliest pages first, and the keys end equal to compressing all."""
+    model_config, config, gate = _gate()
+    requests = Requests(model_config, [5 * BLOCK + 2, 3 * BLOCK])
+    [kv_cache] = vllm_kv_caches(1, "LBNHC")
+    requests.write(kv_cache)
+    key_cache, value_cache = split_kv_cache(kv_cache, DIM)
+    gate_keys, rotary = PagedGateKeys(gate, NUM_BLOCKS, "cpu"), HeadRotary(config)
+    table = requests.block_table
+    order = [int(table[0, j]) for j in range(5)] + [int(table[1, j]) for j in range(3)]
+    for step in range(3):
+        paged_sparse_decode(
+            gate, gate_keys, rotary, requests.q_post, key_cache, value_cache, table,
+            requests.seq_lens, token_budget=BLOCK, backend="torch", refresh_pages=3,
+        )  # fmt: skip
+        done = [page for page in order if gate_keys.fresh[page]]
+        assert done == order[: 3 * (step + 1)]
+    layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
+    requests.write(kv_cache, layer)
+    layer.decode(requests.q_post, kv_cache, table, requests.seq_lens, DIM**-0.5)
+    all_at_once = layer.gate_keys(kv_cache).keys
+    torch.testing.assert_close(gate_keys.keys[order], all_at_once[order])
 
 
 def test_shared_prefix_pages_are_compressed_once():
@@ -270,7 +305,7 @@ def test_shared_prefix_pages_are_compressed_once():
     layer = SeerLayer(gate, Selection(BLOCK, None, "torch"))
     requests.write(kv_cache, layer)
     layer.decode(requests.q_post, kv_cache, requests.block_table, requests.seq_lens, DIM**-0.5)
-    assert int(layer.gate_keys(kv_cache).fresh.sum()) == 3
+    assert int(layer.gate_keys(kv_cache).fresh[:NUM_BLOCKS].sum()) == 3
 
 
 def test_gather_puts_the_partial_block_first_and_masks_its_head():
@@ -331,3 +366,106 @@ def test_worker_settings_from_the_environment(tmp_path):
         settings_from_env({GATE_ENV: "g", THRESHOLD_ENV: "0.1", BUDGET_ENV: "64"})
     with pytest.raises(ValueError, match=f"{THRESHOLD_ENV}='1.5'"):
         settings_from_env({GATE_ENV: "g", THRESHOLD_ENV: "1.5"})
+
+
+def _decode_step(model_config, gate, lens, seed):
+    """A layer whose cache holds `lens` tokens of random requests, after one warm-up step (the
+    first compresses the prompts' pages), and the next step's inputs: one new token per row."""
+    requests = Requests(model_config, [n + 1 for n in lens], seed=seed)
+    [kv_cache] = vllm_kv_caches(1, "LBNHC")
+    layer = SeerLayer(gate, Selection(2 * BLOCK, None, "torch"))
+    requests.write(kv_cache, layer, upto=lens)
+    before = requests.at(model_config, lens)
+    layer.decode(before.q_post, kv_cache, before.block_table, before.seq_lens, DIM**-0.5)
+    rows = range(len(lens))
+    slots = torch.cat([requests.slots(row, n, n + 1) for row, n in zip(rows, lens, strict=True)])
+    token = torch.stack([requests.k_post[row, :, n] for row, n in zip(rows, lens, strict=True)])
+    value = torch.stack([requests.v[row, :, n] for row, n in zip(rows, lens, strict=True)])
+    return requests, kv_cache, layer, (token, value, slots)
+
+
+def _run_step(requests, kv_cache, layer, new):
+    """vLLM's order: the cache write of the new tokens, then attention."""
+    token, value, slots = new
+    write_kv(kv_cache, token, value, slots)
+    layer.mark_written(kv_cache, slots)
+    return layer.decode(
+        requests.q_post, kv_cache, requests.block_table, requests.seq_lens, DIM**-0.5
+    )
+
+
+def test_a_decode_step_never_waits_on_the_host():
+    """After warm-up, a decode step (cache-write bookkeeping, compression, scoring, selection,
+    gather, attention) makes none of the calls that read a GPU tensor on the host or size a
+    tensor by its data, even when a page fills up in the step."""
+    model_config, _, gate = _gate()
+    requests, kv_cache, layer, new = _decode_step(model_config, gate, [3 * BLOCK - 1, 9], seed=1)
+    token, value, slots = new
+    write_kv(kv_cache, token, value, slots)  # vLLM's cache write (a kernel there)
+    with count_host_syncs() as syncs:
+        layer.mark_written(kv_cache, slots)
+        layer.decode(requests.q_post, kv_cache, requests.block_table, requests.seq_lens, 0.25)
+    assert syncs == {}
+    with count_host_syncs() as syncs:  # the counter sees what the old bookkeeping did
+        torch.unique(slots[slots >= 0])
+    assert syncs == {"boolean __getitem__": 1, "unique": 1}
+
+
+def _step_profile(lens, seed):
+    model_config, _, gate = _gate()
+    requests, kv_cache, layer, new = _decode_step(model_config, gate, lens, seed)
+    keys = layer.gate_keys(kv_cache)
+    buffers = [t.data_ptr() for t in (keys.keys, keys.fresh, layer.rotary.inv_freq)]
+    with torch.profiler.profile(profile_memory=True, record_shapes=True) as prof:
+        _run_step(requests, kv_cache, layer, new)
+    assert buffers == [t.data_ptr() for t in (keys.keys, keys.fresh, layer.rotary.inv_freq)]
+    return [(e.name, str(e.input_shapes), e.cpu_memory_usage) for e in prof.events()]
+
+
+def test_a_decode_step_runs_the_same_ops_and_allocations_whatever_the_data():
+    """Two decode steps of the same batch size and table width, different lengths, scores and
+    pages (one fills a page, one does not): the same ops on the same shapes, allocating the same
+    bytes, and the layer's own buffers stay where they were: a caching allocator (or a CUDA
+    graph's pool) serves every later step from what the first one took."""
+    first = _step_profile([5 * BLOCK + 3, 2 * BLOCK + 1, 9], seed=4)
+    second = _step_profile([6 * BLOCK - 1, BLOCK - 1, 4 * BLOCK + 2], seed=5)
+    assert first == second
+    assert any(bytes_ > 0 for _, _, bytes_ in first)
+
+
+def test_decode_rows_of_a_mixed_step_match_a_pure_decode_step():
+    """A step that holds prefill chunks after its decode rows (vLLM's order, with the sparse
+    builder's reordering): the decode rows get exactly what they get decoding alone, and the
+    prefill rows' full pages are compressed in the same step."""
+    model_config, _, gate = _gate()
+    decode_lens, prefill_lens = [4 * BLOCK + 3, 2 * BLOCK], [3 * BLOCK + 5]
+    requests = Requests(model_config, decode_lens + prefill_lens, seed=6)
+    [mixed_cache] = vllm_kv_caches(1, "LBNHC")
+    mixed = SeerLayer(gate, Selection(BLOCK, None, "torch"))
+    requests.write(mixed_cache, mixed, upto=[*decode_lens, 0])
+    mixed.decode(requests.q_post[:2], mixed_cache, requests.block_table[:2],
+                 requests.seq_lens[:2], DIM**-0.5)  # fmt: skip
+    [alone_cache] = vllm_kv_caches(1, "LBNHC")
+    alone_cache.copy_(mixed_cache)
+    alone = copy.deepcopy(mixed)
+
+    chunk = requests.slots(2, 0, prefill_lens[0])  # the prefill row's chunk, written this step
+    write_kv(mixed_cache, requests.k_post[2].transpose(0, 1), requests.v[2].transpose(0, 1),
+             chunk)  # fmt: skip
+    mixed.mark_written(mixed_cache, chunk)
+    # The step's tokens: the decode rows' new tokens first, then the prefill chunk's.
+    query = torch.cat([requests.q_post[:2], torch.randn(prefill_lens[0], HEADS, DIM)])
+    num_tokens = 2 + prefill_lens[0]
+    out = mixed.decode(query, mixed_cache, requests.block_table, requests.seq_lens, DIM**-0.5,
+                       num_decodes=2, num_tokens=num_tokens)  # fmt: skip
+    pure = alone.decode(requests.q_post[:2], alone_cache, requests.block_table[:2],
+                        requests.seq_lens[:2], DIM**-0.5)  # fmt: skip
+    assert torch.equal(out, pure)
+    expected = requests.at(model_config, decode_lens)
+    for name in ("q_pre", "q_post", "k_pre", "k_post", "v", "block_table"):
+        setattr(expected, name, getattr(requests, name)[:2])
+    torch.testing.assert_close(
+        out, expected.expected(gate, {"token_budget": BLOCK}), atol=2e-5, rtol=2e-5
+    )
+    prefill_pages = requests.block_table[2, : prefill_lens[0] // BLOCK].long()
+    assert bool(mixed.gate_keys(mixed_cache).fresh[prefill_pages].all())
