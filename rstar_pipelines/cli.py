@@ -382,6 +382,15 @@ def model_export(dest: Path) -> None:
     click.echo(f"wrote {dest}")
 
 
+def _gpu_memory_bytes() -> int | None:
+    """The first GPU's memory, when torch sees one (vLLM serves on it)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(0).total_memory
+
+
 @main.command(context_settings={"ignore_unknown_options": True})
 @click.argument("model")
 @click.option("--gates", required=True, help="The SeerGates directory trained for MODEL.")
@@ -414,11 +423,14 @@ def serve(
         plan = serve_plan(
             model, gates, token_budget=token_budget, threshold=threshold, kernel=kernel,
             host=host, port=port, served_model_name=served_model_name, vllm_args=vllm_args,
+            gpu_memory_bytes=_gpu_memory_bytes(),
         )  # fmt: skip
     except (ValueError, FileNotFoundError) as err:
         raise click.ClickException(str(err)) from None
     for warning in plan.warnings:
         click.echo(f"warning: {warning}", err=True)
+    for note in plan.notes:
+        click.echo(f"# {note}")
     env_line = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
     click.echo(f"# the server:\n{env_line} {shlex.join(plan.command)}")
     click.echo("# the pipeline:")

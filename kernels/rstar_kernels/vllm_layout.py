@@ -179,3 +179,47 @@ class SeerLayer:
             scale=scale,
             refresh_pages=0,
         )
+
+
+@dataclass(frozen=True)
+class PluginMemory:
+    """What the sparse backend allocates beyond what vLLM's memory profile sees (vLLM profiles
+    with attention skipped: `vllm/v1/worker/gpu/model_runner.py`). The gates are loaded while
+    vLLM builds the model, so the profile counts them."""
+
+    gate_keys_fraction: float  # the gate keys and page flags, as a fraction of the KV cache
+    scratch_bytes: int | None  # one layer's decode step at max_num_seqs (None: grows with context)
+
+    def utilization(self, gpu_memory_utilization: float, gpu_memory_bytes: int | None) -> float:
+        """The gpu_memory_utilization to give vLLM so that its KV cache, with the gate keys
+        sized by it and the scratch, fits in what `gpu_memory_utilization` allows: dividing by
+        1 + fraction keeps cache + keys within the cache's share of the original budget."""
+        share = gpu_memory_utilization / (1 + self.gate_keys_fraction)
+        if gpu_memory_bytes and self.scratch_bytes:
+            share -= self.scratch_bytes / gpu_memory_bytes
+        if share <= 0:
+            raise ValueError(
+                f"gpu_memory_utilization {gpu_memory_utilization} leaves no room for the sparse "
+                f"backend's scratch ({self.scratch_bytes} bytes): lower --max-num-seqs"
+            )
+        return share
+
+
+def plugin_memory(
+    config: GateConfig, selection: Selection, max_num_seqs: int, cache_itemsize: int = 2
+) -> PluginMemory:
+    """The sparse backend's memory for gates of `config` over a cache of `cache_itemsize` bytes
+    per value: per page and layer, fp32 gate keys `[H_kv, gate_dim]` and one flag byte against
+    the page's keys and values `[block, H_kv, 2·D]`; per decode step, the gathered keys and
+    values of the selected pages and the fp32 tokens of the pages compressed
+    (`paged.refresh_limit`). A threshold selects up to the whole block table, so its scratch
+    grows with the context and is left to the caller."""
+    b, heads, dim = config.block_size, config.num_kv_heads, config.head_dim
+    fraction = (heads * config.gate_dim * 4 + 1) / (b * heads * 2 * dim * cache_itemsize)
+    if selection.token_budget is None:
+        return PluginMemory(fraction, None)
+    selected = (selection.token_budget // b + 2) * b
+    gathered = 2 * max_num_seqs * heads * selected * dim * cache_itemsize
+    pages = refresh_limit(max_num_seqs, max_num_seqs, b, CATCH_UP_PAGES)
+    compressed = pages * b * heads * dim * 4 * 3  # the keys unrotated, and pooling's two copies
+    return PluginMemory(fraction, gathered + compressed)

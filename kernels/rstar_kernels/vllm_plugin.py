@@ -4,9 +4,9 @@ vLLM's worker processes read from the environment they inherit.
 vLLM calls `register()` in every engine process before it builds the model (if `VLLM_PLUGINS`
 is set, it must name `rstar_seer`: `vllm/plugins/__init__.py`, `load_plugins_by_group`). It
 points vLLM's `CUSTOM` attention backend at `SeerSparseAttentionBackend` (`vllm_backend.py`).
-Select it with `LLM(..., attention_backend="CUSTOM", block_size=<gate block size>,
-enforce_eager=True)` or `vllm serve ... --attention-backend CUSTOM`; `rstar serve` and the `vllm`
-LLM backend of rstar_pipelines set all of it up.
+Select it with `LLM(..., attention_backend="CUSTOM", block_size=<gate block size>)` or
+`vllm serve ... --attention-backend CUSTOM`; `rstar serve` and the `vllm` LLM backend of
+rstar_pipelines set all of it up.
 
 The settings (`SEER_ENV`): RSTAR_GATE_CHECKPOINT (a `SeerGates` directory; required),
 RSTAR_SEER_TOKEN_BUDGET or RSTAR_SEER_THRESHOLD (default: a 4,096-token budget, the paper's

@@ -145,7 +145,6 @@ def seer_engine_options(seer: SeerSettings) -> dict[str, Any]:
     return {
         "attention_backend": "CUSTOM",
         "block_size": config["block_size"],
-        "enforce_eager": True,
     }
 
 

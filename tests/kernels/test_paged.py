@@ -22,6 +22,7 @@ from rstar_kernels.vllm_layout import (
     SeerLayer,
     Selection,
     check_layer_heads,
+    plugin_memory,
     sparse_kv_cache_dtype,
     split_kv_cache,
 )
@@ -469,3 +470,14 @@ def test_decode_rows_of_a_mixed_step_match_a_pure_decode_step():
     )
     prefill_pages = requests.block_table[2, : prefill_lens[0] // BLOCK].long()
     assert bool(mixed.gate_keys(mixed_cache).fresh[prefill_pages].all())
+
+
+def test_the_memory_set_aside_is_what_the_gate_keys_take():
+    """`plugin_memory`'s fraction of the KV cache is what the layer allocates for a cache of
+    that size (its spare entry aside), in the cache's dtype."""
+    _, config, gate = _gate()
+    [kv_cache] = vllm_kv_caches(1, "LBNHC", dtype=torch.bfloat16)
+    keys = SeerLayer(gate, Selection(BLOCK, None, "torch")).gate_keys(kv_cache)
+    taken = sum(t[:NUM_BLOCKS].nbytes for t in (keys.keys, keys.fresh))
+    memory = plugin_memory(config, Selection(BLOCK, None, "torch"), max_num_seqs=1)
+    assert taken == pytest.approx(memory.gate_keys_fraction * kv_cache.nbytes, rel=1e-12)

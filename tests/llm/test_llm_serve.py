@@ -53,11 +53,18 @@ def test_dry_run_builds_the_command_and_environment(gates, model_dir):
     assert result.exit_code == 0, result.output
     env, command, exports = printed(result)
     name = exports["RSTAR_LLM_MODEL"]
+    utilization = command[command.index("--gpu-memory-utilization") + 1]
     assert command == [
         "vllm", "serve", model_dir, "--host", "127.0.0.1", "--port", "8123",
-        "--attention-backend", "CUSTOM", "--block-size", "64", "--enforce-eager",
-        "--served-model-name", name, "--max-num-seqs", "512",
+        "--attention-backend", "CUSTOM", "--block-size", "64",
+        "--served-model-name", name, "--gpu-memory-utilization", utilization,
+        "--max-num-seqs", "512",
     ]  # fmt: skip
+    # Graphs, and vLLM's default 0.92 lowered by the gate keys (fp32 [H_kv, 16] per page
+    # against bf16 [64, H_kv, 2·64]: 2·16·4 + 1 bytes per 32 KiB of cache).
+    assert "# mode: CUDA graphs" in result.output
+    assert float(utilization) == pytest.approx(0.92 / (1 + 129 / 32768), abs=1e-4)
+    assert "gate keys 0.39% of the KV cache" in result.output
     assert env == {
         "RSTAR_GATE_CHECKPOINT": gates,
         "RSTAR_SEER_KERNEL": "triton",
@@ -67,6 +74,26 @@ def test_dry_run_builds_the_command_and_environment(gates, model_dir):
     assert exports["RSTAR_LLM_BASE_URL"] == "http://127.0.0.1:8123/v1"
     # The sparse settings are in the served name, so the item cache keeps them apart.
     assert name == f"{model_dir}+seer(budget=4096,gates={gates})"
+
+
+def test_memory_is_set_aside_from_the_utilization_asked_for(gates, model_dir):
+    from rstar_kernels.gate import GateConfig as Config
+    from rstar_kernels.vllm_layout import Selection, plugin_memory
+    from rstar_pipelines.llm.serve import serve_plan
+
+    config = Config(**CONFIG, rope_theta=1e4, gate_dim=16)
+    memory = plugin_memory(config, Selection(4096, None), max_num_seqs=8)
+    # Gathered keys and values of 66 pages of 64 tokens, bf16; 0 + 2·8 + 64 pages compressed, fp32.
+    assert memory.scratch_bytes == 2 * 8 * 2 * 66 * 64 * 64 * 2 + 80 * 64 * 2 * 64 * 4 * 3
+    args = ["--gpu-memory-utilization=0.8", "--max-num-seqs", "8", "--enforce-eager"]
+    plan = serve_plan(model_dir, gates, vllm_args=args, gpu_memory_bytes=2**30)
+    utilization = float(plan.command[plan.command.index("--gpu-memory-utilization") + 1])
+    expected = 0.8 / (1 + memory.gate_keys_fraction) - memory.scratch_bytes / 2**30
+    assert utilization == pytest.approx(expected, abs=1e-4)
+    assert plan.command.count("--gpu-memory-utilization") == 1 and "0.8" not in plan.command
+    assert plan.notes[0] == "mode: eager (--enforce-eager)" and "set aside" in plan.notes[2]
+    with pytest.raises(ValueError, match="lower --max-num-seqs"):
+        serve_plan(model_dir, gates, vllm_args=["--max-num-seqs", "4096"], gpu_memory_bytes=2**30)
 
 
 def test_threshold_kernel_and_an_allow_list_of_plugins(gates, model_dir):

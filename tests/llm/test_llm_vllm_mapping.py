@@ -49,7 +49,7 @@ def test_seer_engine_options(tmp_path, monkeypatch):
         monkeypatch.delenv(name)
     (tmp_path / "gate_config.json").write_text('{"block_size": 32}')
     options = seer_engine_options(SeerSettings(str(tmp_path), token_budget=2048))
-    assert options == {"attention_backend": "CUSTOM", "block_size": 32, "enforce_eager": True}
+    assert options == {"attention_backend": "CUSTOM", "block_size": 32}
     assert os.environ["RSTAR_GATE_CHECKPOINT"] == str(tmp_path.resolve())
     assert os.environ["RSTAR_SEER_TOKEN_BUDGET"] == "2048"
     assert "RSTAR_SEER_THRESHOLD" not in os.environ
