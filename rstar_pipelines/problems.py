@@ -70,14 +70,22 @@ def groups_of(problem_groups: pa.Table) -> dict[str, str]:
     )
 
 
+def batch_groups(synthesized_problems: pa.Table, split: HeldoutSplit) -> dict[str, str]:
+    """problem id -> its near-duplicate group among the problems of the table alone (one batch's:
+    a batch's search draws its side from them, not waiting for every batch's problem_groups)."""
+    grouped = near_duplicate_groups(rows_of(synthesized_problems), split.similarity)
+    return {pid: g.group for pid, g in grouped.items()}
+
+
 def verified_problems(
-    inputs: dict[str, pa.Table], domain: str | None = None
+    inputs: dict[str, pa.Table], domain: str | None = None, groups: dict[str, str] | None = None
 ) -> list[VerifiedProblem]:
     """The verified problems of `verified_outputs` (of one domain, or both), with their text and
-    seed from `synthesized_problems` and their group from `problem_groups`, in the order
-    verified_outputs holds them. A problem without a group is on neither side of the split."""
+    seed from `synthesized_problems` and their group from `groups` (by default those of every
+    batch, `problem_groups`), in the order verified_outputs holds them. A problem without a
+    group is on neither side of the split."""
     synthesized = {r["id"]: r for r in rows_of(inputs["synthesized_problems"])}
-    groups = groups_of(inputs["problem_groups"])
+    groups = groups_of(inputs["problem_groups"]) if groups is None else groups
     found = []
     for r in rows_of(inputs["verified_outputs"], domain):
         problem = synthesized.get(r["problem_id"])

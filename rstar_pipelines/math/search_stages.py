@@ -30,6 +30,7 @@ from rstar_pipelines.pipeline.stage import (
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
     VerifiedProblem,
+    batch_groups,
     groups_of,
     no_heldout_check,
     on_side,
@@ -39,9 +40,12 @@ from rstar_pipelines.problems import (
 from rstar_pipelines.storage import schemas
 
 
-def search_problems(inputs: dict[str, pa.Table], params, heldout: bool) -> list[VerifiedProblem]:
-    """The verified math problems on one side of the held-out split, at most max_problems."""
-    found = on_side(verified_problems(inputs, "math"), params.heldout, heldout)
+def search_problems(
+    inputs: dict[str, pa.Table], params, heldout: bool, groups: dict[str, str] | None = None
+) -> list[VerifiedProblem]:
+    """The verified math problems on one side of the held-out split, at most max_problems (by
+    `groups`, default every batch's problem_groups)."""
+    found = on_side(verified_problems(inputs, "math", groups), params.heldout, heldout)
     return found[: params.max_problems]
 
 
@@ -153,7 +157,10 @@ class MCTSTrajectories(SearchStage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = search_problems(inputs, p, heldout=False)
+        # The batch's own groups: a tree whose group among every batch is held out is left out
+        # of the training tables (training_trees), so none is trained on.
+        groups = batch_groups(inputs["synthesized_problems"], p.heldout)
+        problems = search_problems(inputs, p, heldout=False, groups=groups)
         models = CheckpointModels(
             self,
             ctx,

@@ -104,6 +104,20 @@ def test_a_crash_mid_search_keeps_the_finished_trees(tmp_path, monkeypatch):
     ctx.close()
 
 
+# Eight problems whose answer is 5, worded apart (one text would make them one near-duplicate
+# group, on one side of the split); the scripted policy writes the golden tree for each.
+QUESTIONS = [
+    QUESTION,
+    "Add 2 and 3.",
+    "Sum two and three.",
+    "Compute 3 plus 2.",
+    "How much is two plus three?",
+    "Tom has 2 apples and gets 3 more. How many apples?",
+    "Find the total of 2 and 3.",
+    "Two birds sit on a wire and three join them. How many birds?",
+]
+
+
 def _write_upstream(batch: str) -> None:
     ids = [f"p{i}" for i in range(8)]
     problems = [
@@ -111,7 +125,7 @@ def _write_upstream(batch: str) -> None:
             "id": i,
             "batch": batch,
             "domain": "math",
-            "problem": QUESTION,
+            "problem": text,
             "answer": "5",
             "oracle_solutions": [],
             "examples": [],
@@ -120,7 +134,7 @@ def _write_upstream(batch: str) -> None:
             "seed_id": i,
             "model": "seed",
         }
-        for i in ids
+        for i, text in zip(ids, QUESTIONS, strict=True)
     ]
     verified = [
         {
@@ -138,20 +152,10 @@ def _write_upstream(batch: str) -> None:
         }
         for i in ids
     ]
-    # Each problem its own group: they share a text only so that the scripted policy knows them.
-    split = load_spec().by_key["mcts_eval"].params.heldout
-    groups = [
-        {"problem_id": i, "batches": [batch], "domain": "math", "seed_id": i, "group_id": i}
-        | {"group_size": 1, "heldout": split.is_heldout(i)}
-        for i in ids
-    ]
     lake = settings.lake_dir()
     write_table(
         pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
         lake / "synthesized_problems" / f"{batch}.parquet",
-    )
-    write_table(
-        pa.Table.from_pylist(groups, schema=schemas.PROBLEM_GROUPS), lake / "problem_groups.parquet"
     )
     write_table(
         pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
@@ -181,7 +185,7 @@ def two_rounds(tmp_path, tiny_base):
     defs = build_definitions(spec)
     resources = {
         **defs.resources,
-        "llm": ScriptedLLMResource.serving(StepPolicy()),
+        "llm": ScriptedLLMResource.serving(StepPolicy(scripts=dict.fromkeys(QUESTIONS, SCRIPT))),
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     return spec, defs, resources
@@ -195,7 +199,6 @@ def test_two_self_evolution_rounds(two_rounds):
         "seed_problems",
         "seed_catalog",
         "synthesized_problems",
-        "problem_groups",
         "test_inputs",
         "candidate_solutions",
         "verified_outputs",
@@ -263,7 +266,7 @@ def test_two_self_evolution_rounds(two_rounds):
         expected = scorer.score(
             [
                 [
-                    {"role": "user", "content": QUESTION + "\n"},
+                    {"role": "user", "content": first["question"] + "\n"},
                     {"role": "assistant", "content": PREAMBLE + first["text"]},
                 ]
             ]

@@ -154,7 +154,6 @@ def test_rounds_repeat_the_per_round_assets(tmp_path):
     assert third.input_names == {
         "verified_outputs": "verified_outputs",
         "synthesized_problems": "synthesized_problems",
-        "problem_groups": "problem_groups",
         "policy_checkpoint_r2": "previous_policy_checkpoint",
         "ppm_checkpoint_r2": "previous_ppm_checkpoint",
     }
