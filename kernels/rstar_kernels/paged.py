@@ -28,8 +28,9 @@ from .decode import sparse_decode
 from .gate import AttnGate, GateConfig, _gate_inv_freq, rotate_half
 from .selection import select_blocks
 
-# Pages each step compresses beyond what its own writes can fill.
-CATCH_UP_PAGES = 64
+# Pages each step compresses beyond what its own writes can fill. Every write is seen by the
+# layer (prefill-only steps compress too), so a backlog is rare; each page here costs every step.
+CATCH_UP_PAGES = 8
 
 
 class HeadRotary:
@@ -116,9 +117,9 @@ class PagedGateKeys:
 
 def refresh_limit(num_tokens: int, num_reqs: int, page_size: int, catch_up: int) -> int:
     """How many pages a step compresses: every page its `num_tokens` cache writes can fill (a
-    request's run of tokens touches at most ceil(n / b) + 1 pages), plus `catch_up` left over
+    request's run of n tokens completes at most n // b + 1 pages), plus `catch_up` left over
     from earlier steps (a cache written before the layer saw it)."""
-    return num_tokens // page_size + 2 * num_reqs + catch_up
+    return num_tokens // page_size + num_reqs + catch_up
 
 
 def gather_selected(

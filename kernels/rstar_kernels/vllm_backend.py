@@ -170,9 +170,18 @@ class SeerSparseAttentionImpl(FlashAttentionImpl):
                 output_scale,
                 output_block_scale,
             )
-        if dense_only or num_decodes == 0:
+        if dense_only:
             return output
-        out = self._layer(layer, kv_cache).decode(
+        seer = self._layer(layer, kv_cache)
+        if num_decodes == 0:  # a prefill-only step: its full pages are compressed as written
+            seer.refresh(
+                kv_cache,
+                attn_metadata.block_table,
+                attn_metadata.seq_lens,
+                attn_metadata.num_actual_tokens,
+            )
+            return output
+        out = seer.decode(
             query,
             kv_cache,
             attn_metadata.block_table,

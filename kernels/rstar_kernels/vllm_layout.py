@@ -136,6 +136,22 @@ class SeerLayer:
             return
         self.gate_keys(kv_cache).mark_written(slot_mapping)
 
+    def refresh(
+        self,
+        kv_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_lens: torch.Tensor,
+        num_tokens: int,
+    ) -> None:
+        """Compress the pages that the step's `num_tokens` cache writes filled (every request's
+        row of `block_table` and `seq_lens`), as many as they can fill whatever the data."""
+        c = self.gate.config
+        key_cache, _ = split_kv_cache(kv_cache, c.head_dim)
+        num_reqs = seq_lens.shape[0]
+        limit = refresh_limit(num_tokens, num_reqs, c.block_size, CATCH_UP_PAGES)
+        rows = block_table[:num_reqs]
+        self.gate_keys(kv_cache).refresh(key_cache, rows, seq_lens, self.rotary, limit)
+
     def decode(
         self,
         query: torch.Tensor,
@@ -156,17 +172,13 @@ class SeerLayer:
         request's first decode step finds its prompt's pages compressed. Returns `[n, H_q, D]`,
         which depends on the decode rows alone, not on what they are batched with."""
         c = self.gate.config
-        gate_keys = self.gate_keys(kv_cache)
         key_cache, value_cache = split_kv_cache(kv_cache, c.head_dim)
         num_reqs = seq_lens.shape[0]
         n = num_reqs if num_decodes is None else num_decodes
-        limit = refresh_limit(
-            num_reqs if num_tokens is None else num_tokens, num_reqs, c.block_size, CATCH_UP_PAGES
-        )
-        gate_keys.refresh(key_cache, block_table[:num_reqs], seq_lens, self.rotary, limit)
+        self.refresh(kv_cache, block_table, seq_lens, num_tokens or num_reqs)
         return paged_sparse_decode(
             self.gate,
-            gate_keys,
+            self.gate_keys(kv_cache),
             self.rotary,
             query[:n],
             key_cache,

@@ -83,8 +83,8 @@ def test_memory_is_set_aside_from_the_utilization_asked_for(gates, model_dir):
 
     config = Config(**CONFIG, rope_theta=1e4, gate_dim=16)
     memory = plugin_memory(config, Selection(4096, None), max_num_seqs=8)
-    # Gathered keys and values of 66 pages of 64 tokens, bf16; 0 + 2·8 + 64 pages compressed, fp32.
-    assert memory.scratch_bytes == 2 * 8 * 2 * 66 * 64 * 64 * 2 + 80 * 64 * 2 * 64 * 4 * 3
+    # Gathered keys and values of 66 pages of 64 tokens, bf16; 0 + 8 + 8 pages compressed, fp32.
+    assert memory.scratch_bytes == 2 * 8 * 2 * 66 * 64 * 64 * 2 + 16 * 64 * 2 * 64 * 4 * 3
     args = ["--gpu-memory-utilization=0.8", "--max-num-seqs", "8", "--enforce-eager"]
     plan = serve_plan(model_dir, gates, vllm_args=args, gpu_memory_bytes=2**30)
     utilization = float(plan.command[plan.command.index("--gpu-memory-utilization") + 1])
