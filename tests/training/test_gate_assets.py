@@ -112,6 +112,7 @@ def _write_upstream(batch: str) -> None:
         write_table(pa.Table.from_pylist(rows, schema=schema), lake / key / f"{batch}.parquet")
 
 
+@pytest.mark.slow
 def test_gate_checkpoint_trains_reloads_and_is_evaluated(tmp_path, tiny_base):
     text = (REPO / "assets" / "pipeline.yaml").read_text()
     text = text.replace("  policy: null", f"  policy: {tiny_base}")

@@ -137,6 +137,7 @@ def format_examples(seed: int) -> list[dict]:
 STEPS = 16
 
 
+@pytest.mark.slow
 def test_grpo_roc_raises_the_reward_of_a_tiny_model(tiny_base, sandbox):
     model, tokenizer = load_trainable(tiny_base)
     sft = SFTTrainConfig(lr=3e-2, epochs=20, batch_size=8, max_length=128, weight_decay=0.0)

@@ -32,6 +32,7 @@ def trained(tiny_base):
     return ppm, metrics, logged
 
 
+@pytest.mark.slow
 def test_training_separates_the_pairs(trained):
     _, metrics, logged = trained
     losses = metrics["losses"]
@@ -50,6 +51,7 @@ def test_training_separates_the_pairs(trained):
     assert any(line.startswith("PPM step 24/24: loss") for line in logged)
 
 
+@pytest.mark.slow
 def test_reloaded_checkpoint_scores_the_same(trained, tmp_path):
     ppm, _, _ = trained
     pairs = separable_pairs(4)
@@ -65,6 +67,7 @@ def test_reloaded_checkpoint_scores_the_same(trained, tmp_path):
         assert tag_id in loaded.tokenizer.all_special_ids
 
 
+@pytest.mark.slow
 def test_padding_does_not_change_a_value(trained):
     ppm, _, _ = trained
     texts = ["short", ppm_input(ppm.tokenizer, "What is 1 + 1?", "x = 1 + 1" * 5)]
@@ -72,6 +75,7 @@ def test_padding_does_not_change_a_value(trained):
     assert ppm.values(texts) == pytest.approx(one_by_one, abs=1e-5)
 
 
+@pytest.mark.slow
 def test_score_is_tanh_of_raw_over_5_for_chat_and_text(trained):
     ppm, _, _ = trained
     prompt, completion = "What is 3 + 3?", f"x = 6{STEP_END}"
