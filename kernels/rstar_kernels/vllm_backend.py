@@ -3,9 +3,11 @@
 `SeerSparseAttentionBackend` is vLLM's FlashAttention backend with one change: the decode rows
 of every step (one new token each) attend only to the blocks the layer's gate selects, whether
 the step holds prefill chunks too or not, so a request's tokens do not depend on what it is
-batched with. The metadata builder has vLLM put the decode rows first (`reorder_batch_threshold`
-1) and counts them on the host (`split_decodes_and_prefills`, from the CPU copy of the query
-offsets), so the forward needs no device read: a pure decode step runs the sparse path alone; a
+batched with. The decode rows come first (the V1 model runner reorders the batch by the
+builder's `reorder_batch_threshold` 1; the V2 runner, vLLM 0.32.0's default, always sorts decodes
+first: `vllm/v1/worker/gpu/model_runner.py`, `sort_batch_req_ids`) and the builder counts the
+leading ones on the host (`split_decodes_and_prefills`, from the CPU copy of the query offsets),
+so the forward needs no device read: a pure decode step runs the sparse path alone; a
 mixed step runs FlashAttention over every token, then overwrites the decode rows' outputs. This
 module is a thin shell: what touches vLLM's tensors (the cache layout, the key/value split, the
 page bookkeeping, the gather of the selected pages) is `vllm_layout.SeerLayer`, tested on CPU
