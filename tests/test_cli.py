@@ -145,6 +145,7 @@ def _check_heldout_split() -> None:
     for table, column in {
         **TRAINING_TABLES,
         "mcts_nodes": "problem_id",
+        "base_policy_eval": "problem_id",
         "mcts_eval": "problem_id",
         "dser_eval": "problem_id",
         "grpo_eval": "problem_id",
@@ -152,7 +153,8 @@ def _check_heldout_split() -> None:
         ids = query(f"select distinct {column} p from {table} where {column} is not null")
         sides[table] = {split.is_heldout(seed_of[i]) for i in ids.column("p").to_pylist()}
     assert all(sides[t] == {False} for t in [*TRAINING_TABLES, "mcts_nodes"]), sides
-    assert all(sides[t] == {True} for t in ("mcts_eval", "dser_eval", "grpo_eval")), sides
+    evaluations = ("base_policy_eval", "mcts_eval", "dser_eval", "grpo_eval")
+    assert all(sides[t] == {True} for t in evaluations), sides
     with dg.DagsterInstance.get() as instance:
         for table in TRAINING_TABLES:
             key = dg.AssetCheckKey(dg.AssetKey(table), "no_heldout_problems")
