@@ -10,7 +10,7 @@ import torch
 
 from rstar_kernels.cache import CompressedKeyCache
 from rstar_kernels.gate import AttnGate, GateConfig
-from rstar_kernels.selection import select_blocks
+from rstar_kernels.selection import DEBUG_ENV, select_blocks
 
 BS = 16
 
@@ -99,6 +99,17 @@ def test_bad_arguments_are_named(kwargs, message):
     args = {"num_blocks": 7, "first_block": 0, **kwargs}
     with pytest.raises(ValueError, match=message):
         select_blocks(torch.zeros(1, 1, 6), block_size=BS, **args)
+
+
+def test_per_row_tensors_are_checked_only_in_debug_mode(monkeypatch):
+    """Checking [B] tensors reads them back on the host (a GPU sync): only with the debug flag."""
+    total = torch.tensor([9])
+    monkeypatch.delenv(DEBUG_ENV, raising=False)
+    got = select_blocks(torch.zeros(1, 1, 6), total, 0, token_budget=64, block_size=BS)
+    assert got.shape == (1, 1, 64 // BS + 2)
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    with pytest.raises(ValueError, match="num_blocks must be in"):
+        select_blocks(torch.zeros(1, 1, 6), total, 0, token_budget=64, block_size=BS)
 
 
 # -- CompressedKeyCache --
