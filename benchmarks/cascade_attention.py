@@ -1,4 +1,4 @@
-"""Cascade attention (module `llm.cascade_attention`) against SDPA over every row's own copy of
+"""Cascade attention (module `llm.cpu.cascade_attention`) against SDPA over every row's own copy of
 its prompt, on the embedded model as the demo loads it (int4), over the demo's call shapes.
 
     python benchmarks/cascade_attention.py [--rounds 2]
@@ -25,8 +25,8 @@ import torch
 from benchmarks.embedded_generation import chats, load_average
 from benchmarks.shared_prefill import prompts as bootstrap_prompts
 from rstar_pipelines.llm import SamplingParams
-from rstar_pipelines.llm.cascade_attention import ATTENTION_NAME
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
+from rstar_pipelines.llm.cpu.cascade_attention import ATTENTION_NAME
 from rstar_sandbox.bench import machine
 
 WAYS = {"cascade": ATTENTION_NAME, "SDPA, a copy per row": "sdpa"}
@@ -49,7 +49,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    llm = TransformersLLM("embedded")
+    llm = CpuTransformersLLM("embedded")
     llm.prefix_cache = None
     model = llm._model
     before = load_average()

@@ -1,4 +1,4 @@
-"""The decode attention kernel (`rstar_kernels.decode_attention_cpu`) against torch's CPU flash
+"""The decode attention kernel (`llm.cpu.kernels.decode_attention_cpu`) against torch's CPU flash
 kernel, which cascade attention ran before, at the embedded model's decode-step shapes; then the
 model over the demo's `candidate_solutions` shape with each.
 
@@ -27,9 +27,10 @@ import time
 import torch
 
 from benchmarks.embedded_generation import chats
-from rstar_kernels.decode_attention_cpu import decode_attention
-from rstar_pipelines.llm import SamplingParams, cascade_attention
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.cpu import cascade_attention
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
+from rstar_pipelines.llm.cpu.kernels.decode_attention_cpu import decode_attention
 from rstar_sandbox.bench import load_average, machine
 
 LAYERS, KV_HEADS, DIM = 30, 3, 64
@@ -85,7 +86,7 @@ def kernel_table(repeats: int) -> list[str]:
 
 
 def model_table(rounds: int) -> list[str]:
-    llm = TransformersLLM("embedded")
+    llm = CpuTransformersLLM("embedded")
     llm.prefix_cache = None
     prompts = chats(16, offset=8)
     params = SamplingParams(n=3, temperature=0.8, top_p=0.95, max_tokens=192, seed=0)

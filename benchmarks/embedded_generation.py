@@ -40,8 +40,8 @@ import torch
 
 from rstar_kernels.hf import cache_argument
 from rstar_pipelines.llm import SamplingParams, torch_thread
-from rstar_pipelines.llm.kv_cache import preallocated_cache
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
+from rstar_pipelines.llm.cpu.kv_cache import preallocated_cache
 from rstar_sandbox.bench import machine
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,7 +87,7 @@ def request(workload: Workload, max_tokens: int) -> tuple[list, SamplingParams]:
     return prompts, SamplingParams(temperature=0, max_tokens=max_tokens, stop=STOP)
 
 
-def run_backend(llm: TransformersLLM, prompts: list, params: SamplingParams):
+def run_backend(llm: CpuTransformersLLM, prompts: list, params: SamplingParams):
     start = time.perf_counter()
     results = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
@@ -107,7 +107,7 @@ def _pick(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def run_bare(llm: TransformersLLM, prompts: list, params: SamplingParams, steps: int) -> float:
+def run_bare(llm: CpuTransformersLLM, prompts: list, params: SamplingParams, steps: int) -> float:
     """Seconds for the bare loop over `llm`'s model: `steps` tokens for every row."""
     model, pad = llm._model, llm._pad_id
     rows = [llm._encode(i, prompt) for i, prompt in enumerate(prompts)]
@@ -164,7 +164,7 @@ def main() -> None:
     systems = {}
     for quantization in schemes:
         start = time.perf_counter()
-        systems[quantization] = TransformersLLM(
+        systems[quantization] = CpuTransformersLLM(
             "embedded", batch_size=16, device="cpu", quantization=quantization
         )
         loading[quantization] = time.perf_counter() - start

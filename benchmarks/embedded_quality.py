@@ -29,8 +29,8 @@ import torch
 
 from rstar_kernels.quality import kl_and_agreement
 from rstar_pipelines.llm import SamplingParams, torch_thread
-from rstar_pipelines.llm.decode_loop import common_prefix_length
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
+from rstar_pipelines.llm.cpu.decode_loop import common_prefix_length
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 from rstar_sandbox.bench import machine
 from tests.fakes.repo import SHARED_DATA
@@ -40,7 +40,7 @@ ASK = "Solve the problem. Put the final answer in \\boxed{{}}.\n\n{}"
 
 
 @torch.inference_mode()
-def teacher_forced(fp32: TransformersLLM, other: TransformersLLM, prompt_ids, completion_ids):
+def teacher_forced(fp32: CpuTransformersLLM, other: CpuTransformersLLM, prompt_ids, completion_ids):
     """(mean KL, top-1 agreement) over the completion's positions, one forward of each model."""
     ids = torch.tensor([prompt_ids + completion_ids])
     span = slice(len(prompt_ids) - 1, ids.shape[1] - 1)
@@ -66,7 +66,7 @@ def main() -> None:
     chats = [[{"role": "user", "content": ASK.format(p["question"])}] for p in problems]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     llms = {
-        q: TransformersLLM("embedded", batch_size=8, quantization=q) for q in ["none", *schemes]
+        q: CpuTransformersLLM("embedded", batch_size=8, quantization=q) for q in ["none", *schemes]
     }
     outputs, seconds = {}, {}
     for quantization, llm in llms.items():

@@ -1,4 +1,4 @@
-"""Prompt prefixes kept between generate() calls (module `llm.prefix_cache`) against none, on
+"""Prompt prefixes kept between generate() calls (module `llm.cpu.prefix_cache`) against none, on
 the embedded model, over the calls of one MCTS tree path.
 
     python benchmarks/prefix_cache.py [--rounds 3] [--depth 6] [--n 4] [--max-tokens 64]
@@ -20,11 +20,11 @@ import torch
 
 from benchmarks.shared_prefill import prompts as bootstrap_prompts
 from rstar_pipelines.llm import SamplingParams
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
 from rstar_sandbox.bench import machine
 
 
-def path_prompts(llm: TransformersLLM, depth: int, params: SamplingParams) -> list[str]:
+def path_prompts(llm: CpuTransformersLLM, depth: int, params: SamplingParams) -> list[str]:
     prompt = bootstrap_prompts(1)[0]
     path = [prompt]
     for _ in range(depth - 1):
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    llm = TransformersLLM("embedded")
+    llm = CpuTransformersLLM("embedded")
     store = llm.prefix_cache
     params = SamplingParams(n=args.n, temperature=0.7, max_tokens=args.max_tokens, seed=0)
     path = path_prompts(llm, args.depth, params)

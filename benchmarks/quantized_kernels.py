@@ -1,7 +1,7 @@
 """The kernels of the quantized layers on the embedded model's layer shapes: `Int8Linear`'s
 row-by-row `aten._weight_int8pack_mm` and `Int4Linear`'s `aten._weight_int4pack_mm_for_cpu`, each
 against its matmul (what a layer runs from its `gemm_rows` on: bfloat16 where the CPU multiplies it
-natively, else float32), and where one of `rstar_kernels.quantized_cpu`'s kernels runs (AMX;
+natively, else float32), and where one of `llm.cpu.kernels.quantized_cpu`'s kernels runs (AMX;
 AVX-512 bfloat16 dot products where the matmul is bfloat16, AVX-512 or AVX2 FMAs where it is
 float32), the layer's, pinned at the rows it takes over from.
 
@@ -30,7 +30,7 @@ import time
 
 import torch
 
-from rstar_pipelines.llm.quantized_linear import (
+from rstar_pipelines.llm.cpu.quantized_linear import (
     Int4Linear,
     Int8Linear,
     QuantizedLinear,
@@ -142,7 +142,9 @@ def main() -> None:
     linears = [torch.nn.Linear(i, o, bias=False) for i, o in LAYER_SHAPES]
     int8 = [Int8Linear(linear) for linear in linears]
     int4 = [Int4Linear(linear) for linear in linears]
-    ours = int4[0].kernel  # a kernel of rstar_kernels.quantized_cpu, where one runs here
+    ours = int4[
+        0
+    ].kernel  # a kernel of rstar_pipelines.llm.cpu.kernels.quantized_cpu, where one runs here
     print(f"- machine: {machine()}, torch {torch.__version__}, {args.threads} thread(s)")
     print(
         f"- load average: {load_average()}; median of {args.repeats}; matmul from "

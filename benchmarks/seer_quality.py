@@ -24,7 +24,7 @@ from rstar_kernels.distill import GateTrainConfig, train_gates
 from rstar_kernels.gate import SeerGates
 from rstar_kernels.hf import enable_seer_decoding
 from rstar_kernels.quality import kl_and_agreement, teacher_forced_logits
-from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
+from rstar_pipelines.llm.cpu.backend import load_model_and_tokenizer
 from rstar_sandbox.bench import machine
 
 REPO = Path(__file__).resolve().parent.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rstar_pipelines.llm import SamplingParams
-from rstar_pipelines.llm.transformers_backend import TransformersLLM
+from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from rstar_sandbox.bench import machine
 
@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    llm = TransformersLLM("embedded")
+    llm = CpuTransformersLLM("embedded")
     batch = prompts(4)
     params = SamplingParams(n=args.n, temperature=0.7, max_tokens=args.max_tokens, seed=0)
     shared = llm._shared_prefill

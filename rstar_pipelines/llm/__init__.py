@@ -1,7 +1,9 @@
 """The LLM layer: one interface, `LLM.generate(prompts, params)` and beside it
 `types.submit`/`types.stream` (a future per prompt), over several backends.
 
-- `transformers`: in-process, the CPU default; a Hugging Face directory, a .gguf file or "embedded".
+- `transformers`: in-process, the CPU default; a Hugging Face directory, a .gguf file or "embedded";
+  with the CPU speed-ups (package `cpu`: quantized weights, C kernels, cascade attention, its own
+  decode loop) unless `cpu_speedups` turns them off, which leaves transformers' plain `generate()`.
 - `openai`: OpenAI-compatible servers (vLLM, SGLang, `transformers serve`, llama.cpp), one or a
   fleet (docs/llm-serving.md).
 - `vllm`: the in-process vLLM engine, on GPUs.
@@ -12,10 +14,20 @@ The Dagster resource is `rstar_pipelines.llm.resource.LLMResource`.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
-from .embedded import EmbeddedModelMissing, embedded_model_path, export_embedded_model
-from .quantization import tag as quantization_tag
+from .cpu.quantization import resolve_quantization
+from .cpu.quantization import tag as quantization_tag
+from .embedded import EmbeddedModelMissing, embedded_model_path
+from .model_ids import (
+    CPU_SPEEDUPS_ENV,
+    PLAIN_TAG,
+    TRANSFORMERS_REVISION,
+    plain_quantization,
+    transformers_id,
+)
 from .types import LLM, Completion, Prompt, SamplingParams, truncate_at_stop
 
 BACKENDS = ("transformers", "openai", "vllm")
@@ -23,44 +35,85 @@ BACKENDS = ("transformers", "openai", "vllm")
 __all__ = [
     "BACKENDS",
     "LLM",
+    "TRANSFORMERS_REVISION",
     "Completion",
     "EmbeddedModelMissing",
     "Prompt",
     "SamplingParams",
+    "cpu_speedups",
     "embedded_model_path",
     "export_embedded_model",
     "load_llm",
+    "transformers_llm_class",
     "transformers_model_id",
+    "transformers_quantization",
     "truncate_at_stop",
 ]
 
-# Our code computes the transformers backend's completions as much as the model does. Bumped
-# whenever a change to the backend changes them (its kernels, attention, decode loop, sampling), the
-# revision is part of the backend's model ids, so that completions cached by older code are not
-# served as this code's; ids before revision 2 carried none. 2: a prompt's prefill through the
-# quantized layers' matmul (int4, int8); cascade attention on the CPU (float32's last bits). 3: int4
-# decode steps of 4 to 47 rows through the AMX kernel (`rstar_kernels.quantized_cpu`); on a CPU
-# without native bfloat16, the quantized layers' matmul in float32. 4: on a CPU without native
-# bfloat16, int4 decode steps of 4-5 to 31-47 rows through the AVX-512 or AVX2 kernel
-# (`rstar_kernels.quantized_cpu`). 5: on a CPU with AVX512-BF16 but no AMX, int4 decode steps of 5
-# to 63 rows and int8 ones (the LM head) of 1 to 96 through the AVX-512 bfloat16 dot-product kernel
-# (`rstar_kernels.quantized_cpu`). 6: a call's prompts batched by length (a prompt's padding and
-# rows change); decode steps' attention through our kernel (`rstar_kernels.decode_attention_cpu`)
-# on a CPU with AVX-512.
-TRANSFORMERS_REVISION = 6
+
+# The one switch of the CPU speed-ups (package `cpu`), CPU_SPEEDUPS_ENV: on unless it says off.
+_OFF = ("0", "false", "no", "off")
+_ON = ("", "1", "true", "yes", "on")
 
 
-def transformers_model_id(model: str, quantization: str, seer: Any = None) -> str:
+def cpu_speedups(setting: bool | None = None) -> bool:
+    """Whether the transformers backend runs with the CPU speed-ups (package `cpu`): `setting`,
+    else RSTAR_LLM_CPU_SPEEDUPS (on unless "off", "false", "no" or "0")."""
+    if setting is not None:
+        return setting
+    value = os.environ.get(CPU_SPEEDUPS_ENV, "").strip().lower()
+    if value not in _OFF + _ON:
+        raise ValueError(f"{CPU_SPEEDUPS_ENV} must be on or off, not {value!r}")
+    return value not in _OFF
+
+
+def transformers_llm_class(speedups: bool | None = None) -> Any:
+    """The transformers backend's class: `cpu.backend.CpuTransformersLLM` with the CPU
+    speed-ups (`cpu_speedups(speedups)`), else the plain `transformers_backend.TransformersLLM`.
+    Both load (`load_model_and_tokenizer`), wrap a model in memory (`wrap`) and generate alike."""
+    if cpu_speedups(speedups):
+        from .cpu.backend import CpuTransformersLLM
+
+        return CpuTransformersLLM
+    from .transformers_backend import TransformersLLM
+
+    return TransformersLLM
+
+
+def transformers_quantization(
+    quantization: str | None, model: str, device: str, speedups: bool | None = None
+) -> str:
+    """The scheme `model` loads with on `device` (`cpu.quantization.resolve_quantization`);
+    "none" with the CPU speed-ups off, which refuse any other."""
+    if cpu_speedups(speedups):
+        return resolve_quantization(quantization, model, device)
+    return plain_quantization(quantization)
+
+
+def transformers_model_id(
+    model: str, quantization: str, seer: Any = None, speedups: bool | None = None
+) -> str:
     """The transformers backend's id for `model` under `quantization` and SeerAttention-R
-    settings `seer`, which keys its cached completions: "transformers@6:embedded+int4"."""
-    name = f"transformers@{TRANSFORMERS_REVISION}:{model}{quantization_tag(quantization)}"
-    return name + (seer.tag if seer else "")
+    settings `seer`, which keys its cached completions: "transformers@6:embedded+int4", and
+    "transformers@6:embedded+plain" with the CPU speed-ups off."""
+    if cpu_speedups(speedups):
+        return transformers_id(model, quantization_tag(quantization), seer)
+    return transformers_id(model, PLAIN_TAG, seer)
+
+
+def export_embedded_model(dest_dir: str | Path) -> Path:
+    """Write the embedded model as a plain Hugging Face directory for servers
+    (`transformers_backend.export_embedded_model`); returns `dest_dir`."""
+    from .transformers_backend import export_embedded_model as export
+
+    return export(dest_dir)
 
 
 def load_llm(backend: str = "transformers", model: str | None = None, **options: Any) -> LLM:
     """Build an LLM.
 
-    - transformers: `model` defaults to "embedded"; options batch_size, device, dtype,
+    - transformers: `model` defaults to "embedded"; options cpu_speedups (default
+      `cpu_speedups()`: on unless RSTAR_LLM_CPU_SPEEDUPS says off), batch_size, device, dtype,
       quantization ("none", "int8" or "int4"; default int4 on a CPU for the embedded model
       and the checkpoints trained from it), and for SeerAttention-R sparse decoding
       sparse_attention="seer", gate_checkpoint (a SeerGates.save directory), token_budget
@@ -73,9 +126,8 @@ def load_llm(backend: str = "transformers", model: str | None = None, **options:
     - vllm: `model` is required (a Hugging Face id or directory); options go to `vllm.LLM`.
     """
     if backend == "transformers":
-        from .transformers_backend import TransformersLLM
-
-        return TransformersLLM(model or "embedded", **options)
+        llm_class = transformers_llm_class(options.pop("cpu_speedups", None))
+        return llm_class(model or "embedded", **options)
     if backend == "openai":
         from .openai_backend import OpenAILLM
 

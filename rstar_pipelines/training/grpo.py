@@ -51,6 +51,7 @@ from rstar_pipelines.agent.roc import (
     tool_error_ratio,
 )
 from rstar_pipelines.agent.rollout import RolloutConfig, Trajectory, run_rollouts
+from rstar_pipelines.llm import transformers_llm_class
 from rstar_pipelines.training.config import LaunchConfig, TrainConfig
 from rstar_pipelines.training.sft import chat_tokens
 
@@ -384,8 +385,6 @@ def _grpo_roc_trainer(
             return {**out, "logprobs": None}
 
         def _policy(self):
-            from rstar_pipelines.llm.transformers_backend import TransformersLLM
-
             @contextmanager
             def policy():
                 if self.use_vllm:
@@ -397,7 +396,7 @@ def _grpo_roc_trainer(
                     unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model,
                     _without_autocast(model),
                 ):
-                    yield TransformersLLM.wrap(
+                    yield transformers_llm_class().wrap(
                         model,
                         self.processing_class,
                         name="grpo-policy",

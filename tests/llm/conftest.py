@@ -20,7 +20,7 @@ SERVER_READY_TIMEOUT_S = 180
 
 @pytest.fixture(scope="session")
 def embedded_llm():
-    """The embedded SmolLM2 model in process, as it runs by default on a CPU (int8 weights);
+    """The embedded SmolLM2 model in process, as it runs by default on a CPU (int4 weights);
     loaded once (the first GGUF conversion takes 20-60 s, then about a second), then cached."""
     return load_llm("transformers", "embedded", batch_size=4)
 
@@ -32,8 +32,15 @@ def embedded_fp32_llm():
 
 
 @pytest.fixture(scope="session")
-def served_model_dir(tmp_path_factory, embedded_fp32_llm):
-    # Depends on the float32 model so the export reuses the model already in memory.
+def embedded_plain_llm():
+    """The embedded model with the CPU speed-ups off: transformers' generate() on its float32
+    weights."""
+    return load_llm("transformers", "embedded", batch_size=4, cpu_speedups=False)
+
+
+@pytest.fixture(scope="session")
+def served_model_dir(tmp_path_factory, embedded_plain_llm):
+    # Depends on the plain model so the export reuses the model already in memory.
     return export_embedded_model(tmp_path_factory.mktemp("smollm2-hf"))
 
 

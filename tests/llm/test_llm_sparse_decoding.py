@@ -27,8 +27,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from rstar_kernels.gate import GateConfig, SeerGates, capture_pre_rope
 from rstar_kernels.hf import cache_argument, enable_seer_decoding
 from rstar_pipelines.llm import SamplingParams, load_llm
-from rstar_pipelines.llm.cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
-from rstar_pipelines.llm.quantized_linear import Int4Linear, Int8Linear
+from rstar_pipelines.llm.cpu.cascade_attention import ATTENTION_NAME as CASCADE_ATTENTION
+from rstar_pipelines.llm.cpu.quantized_linear import Int4Linear, Int8Linear
 from rstar_pipelines.llm.resource import LLMResource
 from tests.fakes.llm import TRANSFORMERS
 

@@ -1,4 +1,5 @@
-"""The transformers backend with the real embedded model (SmolLM2-135M-Instruct, GGUF, on CPU)."""
+"""The transformers backend with the real embedded model (SmolLM2-135M-Instruct, GGUF, on CPU),
+with the CPU speed-ups and without them (the plain path): both answer alike."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, StopStringCriteria
 
-from rstar_pipelines.llm import LLM, SamplingParams, load_llm
-from rstar_pipelines.llm.decode_loop import GeneratedTextStopCriteria
-from rstar_pipelines.llm.transformers_backend import TransformersLLM, load_model_and_tokenizer
+from rstar_pipelines.llm import LLM, SamplingParams, transformers_llm_class
+from rstar_pipelines.llm.stop_strings import GeneratedTextStopCriteria
+from rstar_pipelines.llm.transformers_backend import load_model_and_tokenizer
 from rstar_pipelines.llm.types import render_chat
-from tests.fakes.llm import TRANSFORMERS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -28,16 +28,28 @@ PROMPTS = [
 ]
 
 
-def test_is_an_llm_and_loads_once(embedded_llm):
-    assert isinstance(embedded_llm, LLM)
-    assert embedded_llm.name == f"{TRANSFORMERS}:embedded+int4"
-    started = time.monotonic()
-    again = load_llm("transformers")
-    assert time.monotonic() - started < 1.0
-    assert again._model is embedded_llm._model
+@pytest.fixture(params=["cpu_speedups", "plain"])
+def any_llm(request):
+    """The embedded model as it runs by default (int4, with the CPU speed-ups), and plain."""
+    name = "embedded_llm" if request.param == "cpu_speedups" else "embedded_plain_llm"
+    return request.getfixturevalue(name)
 
 
-def test_stop_string_is_cut_and_reported(embedded_llm):
+@pytest.fixture(params=["cpu_speedups", "plain"])
+def any_fp32_llm(request):
+    """The embedded model's float32 weights, with the CPU speed-ups and plain."""
+    name = "embedded_fp32_llm" if request.param == "cpu_speedups" else "embedded_plain_llm"
+    return request.getfixturevalue(name)
+
+
+@pytest.fixture(params=[True, False], ids=["cpu_speedups", "plain"])
+def llm_class(request):
+    """The transformers backend's class with the CPU speed-ups and without."""
+    return transformers_llm_class(request.param)
+
+
+def test_stop_string_is_cut_and_reported(any_llm):
+    embedded_llm = any_llm
     [[completion]] = embedded_llm.generate(
         [PROMPTS[0]], GREEDY.model_copy(update={"stop": ("\n", ".")})
     )
@@ -48,7 +60,8 @@ def test_stop_string_is_cut_and_reported(embedded_llm):
     assert completion.completion_tokens == 2  # " Paris" and "."
 
 
-def test_max_tokens_ends_with_length(embedded_llm):
+def test_max_tokens_ends_with_length(any_llm):
+    embedded_llm = any_llm
     [[completion]] = embedded_llm.generate(
         [PROMPTS[1]], GREEDY.model_copy(update={"max_tokens": 6})
     )
@@ -58,7 +71,8 @@ def test_max_tokens_ends_with_length(embedded_llm):
     assert completion.text.startswith(" 5, 6")
 
 
-def test_chat_prompt_ends_with_eos(embedded_llm):
+def test_chat_prompt_ends_with_eos(any_llm):
+    embedded_llm = any_llm
     [[completion]] = embedded_llm.generate([SAY_HI], GREEDY.model_copy(update={"max_tokens": 64}))
     assert completion.finish_reason == "eos"
     assert completion.stop_string is None
@@ -70,7 +84,8 @@ def test_chat_prompt_ends_with_eos(embedded_llm):
     )
 
 
-def test_chat_ending_with_assistant_message_is_continued(embedded_llm):
+def test_chat_ending_with_assistant_message_is_continued(any_llm):
+    embedded_llm = any_llm
     _, tokenizer = load_model_and_tokenizer("embedded")
     conversation = [*SAY_HI, {"role": "assistant", "content": "Hello"}]
     rendered = render_chat(tokenizer, conversation)
@@ -84,7 +99,8 @@ def test_chat_ending_with_assistant_message_is_continued(embedded_llm):
     assert not completion.text.startswith("<|im_start|>")
 
 
-def test_n_samples_per_prompt(embedded_llm):
+def test_n_samples_per_prompt(any_llm):
+    embedded_llm = any_llm
     params = SamplingParams(n=3, temperature=1.0, max_tokens=12, seed=0)
     results = embedded_llm.generate([*PROMPTS[:2], SAY_HI], params)
     assert [len(samples) for samples in results] == [3, 3, 3]
@@ -92,38 +108,40 @@ def test_n_samples_per_prompt(embedded_llm):
     assert all(c.prompt_tokens == samples[0].prompt_tokens for samples in results for c in samples)
 
 
-def test_greedy_n_repeats_the_one_completion(embedded_llm):
+def test_greedy_n_repeats_the_one_completion(any_llm):
+    embedded_llm = any_llm
     [samples] = embedded_llm.generate(
         [PROMPTS[0]], GREEDY.model_copy(update={"n": 2, "max_tokens": 4})
     )
     assert len(samples) == 2 and samples[0] == samples[1]
 
 
-def test_same_seed_same_completions(embedded_llm):
+def test_same_seed_same_completions(any_llm):
+    embedded_llm = any_llm
     params = SamplingParams(n=2, temperature=1.0, max_tokens=8, seed=123)
     first = embedded_llm.generate(PROMPTS[:2], params)
     assert embedded_llm.generate(PROMPTS[:2], params) == first
     assert embedded_llm.generate(PROMPTS[:2], params.model_copy(update={"seed": 124})) != first
 
 
-def test_batched_greedy_equals_one_by_one(embedded_fp32_llm):
+def test_batched_greedy_equals_one_by_one(any_fp32_llm):
     # Left padding plus the attention mask leave each row's computation unchanged but for the
     # last bits (SDPA sums a padded row's keys in another order: about 1e-7 in the first layer's
     # attention), too little to move a greedy choice of these prompts in float32. Quantized
     # weights round every layer's input to bfloat16, which can lift it to a flipped near tie
     # (int4 weights did on the first prompt), hence float32.
-    embedded_llm = embedded_fp32_llm
+    embedded_llm = any_fp32_llm
     params = GREEDY.model_copy(update={"max_tokens": 16})
     batched = embedded_llm.generate([*PROMPTS, SAY_HI], params)
     one_by_one = [embedded_llm.generate([prompt], params)[0] for prompt in [*PROMPTS, SAY_HI]]
     assert batched == one_by_one
 
 
-def test_a_calls_prompts_are_batched_by_length_and_answered_in_its_order(embedded_fp32_llm):
+def test_a_calls_prompts_are_batched_by_length_and_answered_in_its_order(any_fp32_llm):
     # Eight prompts, long and short in turn, for batches of 4: the four shortest prefill
     # together, padded to the longest of them, not to the call's longest. float32, as above:
     # the answers are each prompt's alone.
-    llm = embedded_fp32_llm
+    llm = any_fp32_llm
     prompts = [
         PROMPTS[2], "2, 4, 6,", SAY_HI, "The sun is", PROMPTS[2] + " fox", PROMPTS[0],
         "Once upon a time, in a castle by the sea, a", PROMPTS[1],
@@ -159,7 +177,8 @@ def test_stop_string_is_looked_for_in_generated_text_only():
     assert GeneratedTextStopCriteria(tokenizer, ["\n"], len(prompt))(ids, None).item()
 
 
-def test_stop_strings_are_found_at_the_step_that_completes_them(embedded_llm):
+def test_stop_strings_are_found_at_the_step_that_completes_them(any_llm):
+    embedded_llm = any_llm
     # Decoded a token at a time: stop strings that span tokens, and characters split over
     # several byte tokens (the emoji), are found exactly when the whole text first holds them.
     tokenizer = embedded_llm._tokenizer
@@ -180,85 +199,17 @@ def test_stop_strings_are_found_at_the_step_that_completes_them(embedded_llm):
     assert any(step[0] for step in fired) and not any(step[1] for step in fired)
 
 
-def test_empty_prompt_is_refused(embedded_llm):
+def test_empty_prompt_is_refused(any_llm):
+    embedded_llm = any_llm
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         embedded_llm.generate(["x", ""], GREEDY)
 
 
-# Sampling n completions per prompt prefills each prompt once and copies its cache n times.
 MIXED = [*PROMPTS, SAY_HI]
 
 
-def _prompt_ids(prompt) -> list[int]:
-    _, tokenizer = load_model_and_tokenizer("embedded")
-    if isinstance(prompt, str):
-        return tokenizer(prompt)["input_ids"]
-    return tokenizer(render_chat(tokenizer, prompt), add_special_tokens=False)["input_ids"]
-
-
-def test_sampled_copies_share_one_prefill(embedded_llm):
-    lengths = []
-    decoder = embedded_llm._model.get_decoder()
-    hook = decoder.register_forward_pre_hook(
-        lambda _, args, kwargs: lengths.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
-    )
-    try:
-        params = SamplingParams(n=3, temperature=1.0, max_tokens=3, seed=0)
-        results = embedded_llm.generate(MIXED, params)
-    finally:
-        hook.remove()
-    width = max(len(_prompt_ids(prompt)) for prompt in MIXED)
-    # The prompts once, all but their last token; then every copy one token at a time (fewer
-    # once some have ended and left the batch).
-    assert lengths[0] == (len(MIXED), width - 1)
-    assert lengths[1] == (3 * len(MIXED), 1)
-    assert all(rows <= 3 * len(MIXED) and tokens == 1 for rows, tokens in lengths[2:])
-    assert [len(samples) for samples in results] == [3] * len(MIXED)
-
-
-def test_sampling_logits_equal_a_plain_forward_per_prompt(embedded_fp32_llm):
-    # float32 weights: with quantized ones the bfloat16 activations round the tiny float differences
-    # between a cached, padded step and a plain forward up to about 0.1 in the logits.
-    embedded_llm = embedded_fp32_llm
-    model = embedded_llm._model
-    steps = []  # (input ids, last logits) of every forward of the model
-    hook = model.register_forward_hook(
-        lambda _, args, kwargs, out: steps.append((kwargs["input_ids"], out.logits[:, -1])),
-        with_kwargs=True,
-    )
-    n = 2
-    try:
-        embedded_llm.generate(MIXED, SamplingParams(n=n, temperature=1.0, max_tokens=2, seed=0))
-    finally:
-        hook.remove()
-    prompts = [_prompt_ids(prompt) for prompt in MIXED]
-    assert len(steps) == 2  # the prompts' last token for every copy, then its sampled token
-    sampled = steps[1][0][:, 0].tolist()
-    # The first two steps of every copy, against each prompt (plus its sampled token) run alone,
-    # unpadded and uncached.
-    for step in range(2):
-        for row in range(len(prompts) * n):
-            ids = prompts[row // n] + sampled[row : row + 1][:step]
-            with torch.inference_mode():
-                expected = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            torch.testing.assert_close(steps[step][1][row], expected, rtol=1e-4, atol=1e-4)
-
-
-def test_near_zero_temperature_samples_equal_greedy(embedded_fp32_llm):
-    # A left-padded batch of different lengths, with stop strings that end some completions.
-    # float32 weights: the shared prefill computes the prompt in two parts, and with quantized
-    # weights the bfloat16 activations can round that differently enough to flip a near tie.
-    embedded_llm = embedded_fp32_llm
-    greedy = GREEDY.model_copy(update={"max_tokens": 16, "stop": (".", "\n\n")})
-    expected = embedded_llm.generate(MIXED, greedy)
-    sampled = embedded_llm.generate(
-        MIXED, greedy.model_copy(update={"temperature": 1e-4, "n": 3, "seed": 0})
-    )
-    assert sampled == [samples * 3 for samples in expected]
-    assert any(samples[0].finish_reason == "stop" for samples in expected)
-
-
-def test_sampled_copies_honour_stop_strings(embedded_llm):
+def test_sampled_copies_honour_stop_strings(any_llm):
+    embedded_llm = any_llm
     stops = (".", "\n")
     params = SamplingParams(n=4, temperature=1.0, max_tokens=24, stop=stops, seed=0)
     results = embedded_llm.generate(MIXED, params)
@@ -269,7 +220,8 @@ def test_sampled_copies_honour_stop_strings(embedded_llm):
     assert sum(c.finish_reason == "stop" for c in completions) > len(completions) // 2
 
 
-def test_one_token_prompts_sample_n_copies(embedded_llm):
+def test_one_token_prompts_sample_n_copies(any_llm):
+    embedded_llm = any_llm
     # Nothing to share before the last token: every copy runs its one prompt token.
     [[greedy]] = embedded_llm.generate(["x"], GREEDY.model_copy(update={"max_tokens": 6}))
     assert greedy.prompt_tokens == 1
@@ -277,7 +229,7 @@ def test_one_token_prompts_sample_n_copies(embedded_llm):
     assert embedded_llm.generate(["x"], params) == [[greedy] * 3]
 
 
-def test_sliding_window_model_samples_n_copies(tmp_path):
+def test_sliding_window_model_samples_n_copies(tmp_path, llm_class):
     # A cache of sliding-window layers is not shared; generate() expands the batch itself.
     _, tokenizer = load_model_and_tokenizer("embedded")
     torch.manual_seed(0)
@@ -293,7 +245,7 @@ def test_sliding_window_model_samples_n_copies(tmp_path):
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
-    llm = TransformersLLM(str(tmp_path))
+    llm = llm_class(str(tmp_path))
     greedy = GREEDY.model_copy(update={"max_tokens": 8})
     expected = llm.generate(PROMPTS, greedy)
     sampled = llm.generate(PROMPTS, greedy.model_copy(update={"temperature": 1e-4, "n": 3}))
@@ -301,13 +253,13 @@ def test_sliding_window_model_samples_n_copies(tmp_path):
     assert len({samples[0].text for samples in expected}) > 1
 
 
-def test_wrapped_model_generates_with_its_current_weights_in_eval_mode(tiny_base):
-    loaded = TransformersLLM(tiny_base)
+def test_wrapped_model_generates_with_its_current_weights_in_eval_mode(tiny_base, llm_class):
+    loaded = llm_class(tiny_base)
     model = AutoModelForCausalLM.from_pretrained(tiny_base)
     model.train()
     modes = []
     model.model.layers[0].register_forward_hook(lambda module, *_: modes.append(module.training))
-    wrapped = TransformersLLM.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
+    wrapped = llm_class.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
     greedy = GREEDY.model_copy(update={"max_tokens": 8})
     before = wrapped.generate(PROMPTS, greedy)
     assert before == loaded.generate(PROMPTS, greedy)  # the same weights as the loaded copy
@@ -319,13 +271,13 @@ def test_wrapped_model_generates_with_its_current_weights_in_eval_mode(tiny_base
 
 
 def test_loaded_models_run_on_one_thread_whoever_calls_and_wrapped_ones_on_the_callers(
-    tiny_base,
+    tiny_base, llm_class
 ):
     # Two threads running torch's parallel loops make OpenMP throttle its wake-ups (module
     # `torch_thread`): a loaded model's forwards all go to one thread.
-    loaded = TransformersLLM(tiny_base)
+    loaded = llm_class(tiny_base)
     model = AutoModelForCausalLM.from_pretrained(tiny_base)
-    wrapped = TransformersLLM.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
+    wrapped = llm_class.wrap(model, loaded._tokenizer, name="trainee", batch_size=2)
     threads: dict[str, set[int]] = {"loaded": set(), "wrapped": set()}
     hooks = [
         llm._model.register_forward_hook(

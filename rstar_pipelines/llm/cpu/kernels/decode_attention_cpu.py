@@ -2,7 +2,7 @@
 (batch, key/value head) over its keys, with each query's log-sum-exp, as torch's
 `_scaled_dot_product_flash_attention_for_cpu` returns them.
 
-Why: cascade attention (`rstar_pipelines.llm.cascade_attention`) stacks a group's rows as the
+Why: cascade attention (`rstar_pipelines.llm.cpu.cascade_attention`) stacks a group's rows as the
 queries of one attention over the keys they share (3 samples x 3 query heads a key/value head
 at candidate_solutions' decode steps); torch's flash kernel, tiled for long query blocks, reads
 those keys far below what the machine streams, and attention is a large share of a small
@@ -20,7 +20,7 @@ import ctypes
 
 import torch
 
-from rstar_kernels.c_library import CLibrary
+from .c_library import CLibrary
 
 MAX_QUERIES = 64  # queries a (batch, head): decode steps; longer query blocks suit torch's tiling
 HEAD_DIMS = (64, 128)

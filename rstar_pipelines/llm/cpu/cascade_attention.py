@@ -9,7 +9,7 @@ parts: the rows of each group stacked as the queries of one attention over the g
 keys, and each row over its own (the tokens it generated), the two merged by their
 log-sum-exps, which is attention over the whole row exactly, up to float rounding. This is the
 cascade (shared-prefix) attention of serving engines (FlashInfer's, vLLM's), here on a decode
-kernel of our own (`rstar_kernels.decode_attention_cpu`) or torch's CPU flash-attention kernel,
+kernel of our own (`kernels.decode_attention_cpu`) or torch's CPU flash-attention kernel,
 both of which return the log-sum-exp.
 
 `cascade_attention_forward` is registered with transformers' AttentionInterface as
@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from rstar_kernels.decode_attention_cpu import decode_attention
+from . import capabilities
+from .kernels.decode_attention_cpu import decode_attention
 
 ATTENTION_NAME = "rstar_cascade"
 # The keyword of the model's forward that carries the cache whose shared parts attention reads.
@@ -38,7 +39,7 @@ def use_cascade_attention(model: Any) -> bool:
     current = model.config._attn_implementation
     if current == ATTENTION_NAME:
         return True
-    if current != "sdpa" or model.device.type != "cpu":
+    if current != "sdpa" or model.device.type != "cpu" or not capabilities.attention_registry():
         return False
     _register()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -155,15 +156,33 @@ def _split_mask(cache: Any, mask: torch.Tensor | None, layer: Any, query: torch.
 
 def _flash(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention and its log-sum-exp per query: a decode step's few queries through our kernel
-    where it takes them (`rstar_kernels.decode_attention_cpu`: about twice as fast), else
+    where it takes them (`kernels.decode_attention_cpu`: about twice as fast), else
     torch's CPU flash kernel."""
     ours = decode_attention(query, key, value, mask, scale)
     if ours is not None:
         return ours
+    if not capabilities.flash_attention_lse():
+        return attention_with_lse(query, key, value, mask, scale)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, attn_mask=mask, scale=scale
     )
     return out, lse
+
+
+def attention_with_lse(query, key, value, mask, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_flash`'s attention and log-sum-exp with public ops, where torch's CPU flash kernel is
+    not there (`capabilities.flash_attention_lse`): a query that sees no key gets zeros and a
+    log-sum-exp of -inf, as from the flash kernel."""
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        else:
+            scores = scores + mask
+    lse = torch.logsumexp(scores, dim=-1)
+    finite = lse.masked_fill(torch.isinf(lse), 0.0)
+    weights = torch.exp(scores - finite.unsqueeze(-1))
+    return torch.matmul(weights.to(value.dtype), value), lse
 
 
 def _shared_part(query, layer, mask, scale):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rstar_pipelines.llm.decode_loop import MIN_SHARED_PREFIX
-from rstar_pipelines.llm.prefix_cache import PrefixCache
+from rstar_pipelines.llm.cpu.decode_loop import MIN_SHARED_PREFIX
+from rstar_pipelines.llm.cpu.prefix_cache import PrefixCache
 
 
 def states(tokens: list[int], layers: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""The kernels of `rstar_kernels.quantized_cpu` (int4: AMX, AVX-512 bfloat16 dot products, AVX-512
+"""The kernels of `llm.cpu.kernels.quantized_cpu` (int4: AMX, AVX-512 bfloat16 dot products, AVX-512
 and AVX2 FMAs; int8: the dot products): their layouts, their sums, their rows' independence, and
 how they stay off where they cannot run."""
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from rstar_kernels import c_library, quantized_cpu
+from rstar_pipelines.llm.cpu.kernels import c_library, quantized_cpu
 
 ALL_KERNELS = (
     quantized_cpu.AMX,

@@ -6,7 +6,7 @@ import torch
 from transformers import LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicLayer
 
-from rstar_pipelines.llm.kv_cache import PreallocatedLayer, preallocated_cache
+from rstar_pipelines.llm.cpu.kv_cache import PreallocatedLayer, preallocated_cache
 
 
 def states(batch: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,8 +18,8 @@ dropping rows, or batching a prompt with others, changes no row's samples. Rows 
 per-row state lives outside the cache (SeerAttention-R's compressed keys,
 `drop_finished=False`): they run on, their tokens ignored, as in `generate()`.
 
-`StopStrings` looks for stop strings in each row's generated text; `generate()`'s fallback
-path (models whose cache this loop does not handle) uses it through `GeneratedTextStopCriteria`.
+Stop strings are looked for in each row's generated text (`stop_strings.StopStrings`, which
+the plain backend's `generate()` path uses too).
 """
 
 from __future__ import annotations
@@ -30,59 +30,14 @@ from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
-from tokenizers.decoders import DecodeStream
-from transformers import StoppingCriteria
 
+from ..stop_strings import StopStrings
 from .cascade_attention import model_inputs
 
 # Rows are dropped once this share of the batch has finished.
 DROP_SHARE = 0.25
 # The fewest prompt tokens every prompt of a batch must start with for them to be run once.
 MIN_SHARED_PREFIX = 32
-
-
-class StopStrings:
-    """Whether each row's generated text (not its prompt) contains a stop string yet.
-
-    Each row's tokens are decoded as they come (DecodeStream holds back bytes that do not yet
-    make a whole character) and only the new text, with the tail before it that a stop string
-    could start in, is searched: constant work per token, where decoding a row's whole text
-    each step grows with its length.
-    """
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str], rows: int):
-        self._backend = tokenizer.backend_tokenizer
-        self._stop = tuple(stop)
-        self._overlap = max(len(s) for s in self._stop) - 1
-        self._streams = [DecodeStream(skip_special_tokens=False) for _ in range(rows)]
-        self._tails = [""] * rows
-
-    def found(self, row: int, tokens: Sequence[int]) -> bool:
-        """Whether `tokens`, the next ones `row` generated, complete a stop string."""
-        pieces = [self._streams[row].step(self._backend, token) for token in tokens]
-        text = self._tails[row] + "".join(piece for piece in pieces if piece)
-        self._tails[row] = text[-self._overlap :] if self._overlap else ""
-        return any(s in text for s in self._stop)
-
-
-class GeneratedTextStopCriteria(StoppingCriteria):
-    """`StopStrings` as a `generate()` stopping criterion: a row stops for good once found."""
-
-    def __init__(self, tokenizer: Any, stop: Sequence[str], prompt_width: int):
-        self._tokenizer, self._stop_strings = tokenizer, stop
-        self._decoded_width = prompt_width
-        self._stops: StopStrings | None = None
-        self._done: list[bool] = []
-
-    def __call__(self, input_ids: torch.LongTensor, scores: Any, **kwargs: Any) -> torch.BoolTensor:
-        if self._stops is None:
-            self._stops = StopStrings(self._tokenizer, self._stop_strings, input_ids.shape[0])
-            self._done = [False] * input_ids.shape[0]
-        new_tokens = input_ids[:, self._decoded_width :].tolist()
-        self._decoded_width = input_ids.shape[1]
-        for row, tokens in enumerate(new_tokens):
-            self._done[row] = self._done[row] or self._stops.found(row, tokens)
-        return torch.tensor(self._done, dtype=torch.bool, device=input_ids.device)
 
 
 class TokenPicker:
@@ -211,20 +166,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """How many leading tokens `a` and `b` have in common."""
     shorter = min(len(a), len(b))
     return next((i for i in range(shorter) if a[i] != b[i]), shorter)
-
-
-def padded_batch(
-    prompts: Sequence[Sequence[int]], prefix: int, pad_id: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Token ids and attention mask of a batch whose first `prefix` tokens are shared: the
-    prefix, then each prompt's rest left-padded to the longest rest. With prefix 0 this is
-    plain left padding."""
-    rest = max(len(p) for p in prompts) - prefix
-    ids = [[*p[:prefix], *[pad_id] * (rest - len(p) + prefix), *p[prefix:]] for p in prompts]
-    mask = [
-        [1] * prefix + [0] * (rest - len(p) + prefix) + [1] * (len(p) - prefix) for p in prompts
-    ]
-    return ids, mask
 
 
 def first_positions(attention_mask: torch.Tensor) -> torch.Tensor:

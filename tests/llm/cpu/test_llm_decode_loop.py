@@ -12,8 +12,9 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from rstar_pipelines.llm import SamplingParams, decode_loop
-from rstar_pipelines.llm.decode_loop import TokenPicker
+from rstar_pipelines.llm import SamplingParams
+from rstar_pipelines.llm.cpu import decode_loop
+from rstar_pipelines.llm.cpu.decode_loop import TokenPicker
 
 # Completions that end at different steps: stop strings, EOS after a chat turn, max_tokens.
 PROMPTS = [
@@ -162,11 +163,11 @@ def test_a_prompt_that_extends_an_earlier_one_computes_only_its_new_tokens(embed
 def test_a_model_being_trained_keeps_no_prefixes(tiny_base):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rstar_pipelines.llm.transformers_backend import TransformersLLM
+    from rstar_pipelines.llm.cpu.backend import CpuTransformersLLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_base)
     tokenizer = AutoTokenizer.from_pretrained(tiny_base)
-    llm = TransformersLLM.wrap(model, tokenizer, name="trained")
+    llm = CpuTransformersLLM.wrap(model, tokenizer, name="trained")
     prompt = "one two three four five six seven eight nine ten " * 6
     greedy = SamplingParams(temperature=0, max_tokens=6)
     llm.generate([prompt], greedy)

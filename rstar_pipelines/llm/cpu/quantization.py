@@ -15,7 +15,7 @@ kernels" and "Embedded model quality").
   linear layers keep 4-bit weights in groups of 32 inputs with a scale and a zero each, the layout
   the embedded GGUF file ships them in (Q4_1), so the groups land back on the file's grid (up to the
   bfloat16 rounding of each scale and zero); torch's `aten._weight_int4pack_mm_for_cpu` runs them
-  for few rows, a kernel of ours (`rstar_kernels.quantized_cpu`, where one runs) from 4-5 rows, the
+  for few rows, a kernel of ours (`kernels.quantized_cpu`, where one runs) from 4-5 rows, the
   matmul from `INT4_KERNEL_ROWS`' second figure (32 where none of ours runs) and for a prompt's
   prefill. The LM head, which the file keeps in 8 bits (Q8_0, tied to the embeddings), and any layer
   whose shape the int4 kernel does not take, are int8 as above. Half the bytes of int8 per step, and
@@ -50,18 +50,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..embedded import trained_from_embedded
+
 QUANTIZATIONS = ("none", "int8", "int4")
 # The scheme of the embedded model and the checkpoints trained from it on a CPU.
 EMBEDDED_QUANTIZATION = "int4"
-
-
-def default_device(device: str | None) -> str:
-    """The device a model loads on: the one given, else CUDA where there is one, else the CPU."""
-    if device is not None:
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def resolve_quantization(quantization: str | None, model: str, device: str) -> str:
@@ -70,8 +63,6 @@ def resolve_quantization(quantization: str | None, model: str, device: str) -> s
     decoded alike), "none" otherwise; a clear error for a scheme that does not exist or cannot
     run."""
     if quantization is None:
-        from .embedded import trained_from_embedded
-
         if device == "cpu" and trained_from_embedded(model):
             return EMBEDDED_QUANTIZATION
         return "none"
@@ -101,15 +92,6 @@ def quantize(model: Any, quantization: str, grid: Any = None) -> Any:
         return model
     import torch
 
-    kernels = ["_weight_int8pack_mm"]
-    if quantization == "int4":
-        kernels += ["_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"]
-    for kernel in kernels:
-        if not hasattr(torch.ops.aten, kernel):
-            raise RuntimeError(
-                f"quantization={quantization!r} needs torch.ops.aten.{kernel}, which "
-                f"torch {torch.__version__} lacks; use quantization='none'"
-            )
     if model.dtype != torch.float32:
         raise ValueError(
             f"quantization={quantization!r} takes a float32 model, this one is {model.dtype}: "

@@ -7,10 +7,10 @@ import torch
 from transformers import LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from rstar_kernels import decode_attention_cpu
-from rstar_pipelines.llm import cascade_attention
-from rstar_pipelines.llm.cascade_attention import CACHE_KWARG, cascade_attention_forward
-from rstar_pipelines.llm.kv_cache import preallocated_cache
+from rstar_pipelines.llm.cpu import cascade_attention
+from rstar_pipelines.llm.cpu.cascade_attention import CACHE_KWARG, cascade_attention_forward
+from rstar_pipelines.llm.cpu.kernels import decode_attention_cpu
+from rstar_pipelines.llm.cpu.kv_cache import preallocated_cache
 from rstar_pipelines.llm.types import SamplingParams
 
 HEADS, KV_HEADS, DIM = 6, 2, 64  # a head of 64: our decode kernel takes it

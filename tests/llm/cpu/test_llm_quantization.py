@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
-from rstar_kernels import cpu_features, quantized_cpu
-from rstar_pipelines import llm as llm_package
-from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm, quantized_linear
-from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
-from rstar_pipelines.llm.quantization import quantize, resolve_quantization
-from rstar_pipelines.llm.quantized_linear import (
+from rstar_kernels import cpu_features
+from rstar_pipelines.llm import TRANSFORMERS_REVISION, SamplingParams, load_llm, model_ids
+from rstar_pipelines.llm.cpu import quantized_linear
+from rstar_pipelines.llm.cpu.kernels import quantized_cpu
+from rstar_pipelines.llm.cpu.quantization import quantize, resolve_quantization
+from rstar_pipelines.llm.cpu.quantized_linear import (
     FLOAT32_GEMM_ROWS,
     GEMM_ROWS,
     INT4_GEMM_ROWS,
@@ -30,6 +30,7 @@ from rstar_pipelines.llm.quantized_linear import (
     kernel_for_batch,
     matmul_dtype,
 )
+from rstar_pipelines.llm.embedded import TRAINING_CONFIG_FILE
 from rstar_pipelines.llm.resource import LLMResource
 from rstar_pipelines.pipeline.generation import StageLLM
 from rstar_pipelines.pipeline.item_cache import ItemCache
@@ -438,7 +439,7 @@ def test_completions_of_another_scheme_or_of_older_code_never_come_from_the_cach
     ]
     # A change to what the backend computes bumps its revision: what older code cached is not
     # served, whatever the scheme.
-    monkeypatch.setattr(llm_package, "TRANSFORMERS_REVISION", TRANSFORMERS_REVISION + 1)
+    monkeypatch.setattr(model_ids, "TRANSFORMERS_REVISION", TRANSFORMERS_REVISION + 1)
     bumped = f"transformers@{TRANSFORMERS_REVISION + 1}:{tiny_base}"
     assert [complete("int4"), complete("none")] == [bumped + "+int4", bumped]
     assert (cache.misses, cache.hits) == (5 * len(PROMPTS), 3 * len(PROMPTS))

@@ -30,7 +30,7 @@ kernel a row's result does not depend on the other rows of its batch (the float3
   in: fitted to each group's minimum and maximum, the groups land on the file's own grid, up to the
   bfloat16 rounding of the scale and zero the kernel reads. Torch's
   `aten._weight_int4pack_mm_for_cpu` reads half the bytes of int8 but unpacks the weights again for
-  every few rows. The kernels of `rstar_kernels.quantized_cpu` unpack them once a call: on a CPU
+  every few rows. The kernels of `kernels.quantized_cpu` unpack them once a call: on a CPU
   with AMX, from 4 rows up to the matmul's 48; on a CPU without native bfloat16, whose matmul is
   float32, the AVX-512 or AVX2 kernel, from 4-5 rows up to 32-48 (`INT4_KERNEL_ROWS`), where torch's
   kernel alone would hand over to the float32 matmul at 12; on a CPU with AVX512-BF16 but no AMX
@@ -49,7 +49,10 @@ from typing import Any
 
 import torch
 
-from rstar_kernels import cpu_features, quantized_cpu
+from rstar_kernels import cpu_features
+
+from . import capabilities
+from .kernels import quantized_cpu
 
 # From this many rows on, the matmul is faster (measured crossovers: 8 rows for int8, 24-32 for
 # int4 against a bfloat16 matmul; 10-16 for both against a float32 one; docs/benchmarks.md).
@@ -60,7 +63,7 @@ FLOAT32_GEMM_ROWS = 12
 # other splits among two threads for 5-7 or 9-11) whose sums differ in the last bits from those
 # of 12 rows and more; padded to this many, a row's result does not depend on its batch.
 FLOAT32_MATMUL_ROWS = 12
-# The kernels of `rstar_kernels.quantized_cpu`, where one runs, take over from torch's int4 kernel
+# The kernels of `kernels.quantized_cpu`, where one runs, take over from torch's int4 kernel
 # from the first of these rows and keep ahead of the matmul up to the second (for AVX512-BF16, 64:
 # past the 48 rows of the demo's candidate_solutions steps): the crossovers of each build measured
 # by `benchmarks/quantized_kernels.py` on the 30 decoder layers, their weights streaming from
@@ -87,14 +90,14 @@ def matmul_dtype() -> torch.dtype:
 
 
 def int8_kernel() -> quantized_cpu.QuantizedKernel | None:
-    """The kernel of `rstar_kernels.quantized_cpu` that int8 layers run here, if any: the AVX-512
+    """The kernel of `kernels.quantized_cpu` that int8 layers run here, if any: the AVX-512
     dot products of bfloat16 where int4 layers run them (AVX512-BF16 without AMX)."""
     kernel = quantized_cpu.INT8_AVX512_BF16
     return kernel if int4_kernel() is quantized_cpu.AVX512_BF16 and kernel.available() else None
 
 
 def int4_kernel() -> quantized_cpu.QuantizedKernel | None:
-    """The kernel of `rstar_kernels.quantized_cpu` that int4 layers run here, if any: AMX; else the
+    """The kernel of `kernels.quantized_cpu` that int4 layers run here, if any: AMX; else the
     AVX-512 dot products of bfloat16 where the matmul is bfloat16 (AVX512-BF16), or the AVX-512 or
     AVX2 FMAs where it is float32."""
     if quantized_cpu.AMX.available():
@@ -191,6 +194,8 @@ class Int8Linear(QuantizedLinear):
     def _packed(self, rows: torch.Tensor, batch_rows: int) -> torch.Tensor:
         if self.kernel is not None and batch_rows >= self.kernel_rows:
             return self.kernel.mm(rows, self.weight_packed, self.scale_float)
+        if not capabilities.int8_packed_matmul():
+            return self._matmul(rows)
         return torch.ops.aten._weight_int8pack_mm(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
@@ -236,12 +241,12 @@ class Int4Linear(QuantizedLinear):
         # Each weight rounded to the grid they make.
         steps = (groups - zero.float()[..., None]) / scale.float()[..., None]
         q = (torch.round(steps) + 8).clamp(0, 15)
-        self.register_buffer(
-            "weight_int4",
-            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        packed = None
+        if capabilities.int4_packed_matmul():
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 q.view(self.out_features, self.in_features).to(torch.int32), 1
-            ),
-        )
+            )
+        self.register_buffer("weight_int4", packed)
         # [groups, out_features, 2], the kernel's layout.
         self.register_buffer(
             "scales_and_zeros", torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()
@@ -270,6 +275,8 @@ class Int4Linear(QuantizedLinear):
         if self.kernel is not None and batch_rows >= self.kernel_rows:
             x = rows.to(self.kernel.activations)
             return self.kernel.mm(x, self.weight_packed, self.scale_packed, self.zero_packed)
+        if self.weight_int4 is None:
+            return self._matmul(rows)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             rows, self.weight_int4, INT4_GROUP, self.scales_and_zeros
         )

@@ -1,4 +1,4 @@
-"""The decode attention kernel (`rstar_kernels.decode_attention_cpu`) against torch's CPU flash
+"""The decode attention kernel (`llm.cpu.kernels.decode_attention_cpu`) against torch's CPU flash
 kernel: outputs and log-sum-exps, masks, strided caches, and the inputs it leaves to torch."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rstar_kernels import decode_attention_cpu
-from rstar_kernels.decode_attention_cpu import decode_attention
+from rstar_pipelines.llm.cpu.kernels import decode_attention_cpu
+from rstar_pipelines.llm.cpu.kernels.decode_attention_cpu import decode_attention
 
 pytestmark = pytest.mark.skipif(
     not decode_attention_cpu.KERNEL.available(), reason="the CPU cannot run the kernel (AVX-512)"

@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from rstar_kernels.c_library import CLibrary
+from .c_library import CLibrary
 
 GROUP = 32  # inputs per scale and zero
 BLOCK = 16  # outputs a group's unpacked weights cover (an AMX tile's columns)
