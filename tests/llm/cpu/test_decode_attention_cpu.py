@@ -10,7 +10,7 @@ from rstar_pipelines.llm.cpu.kernels import decode_attention_cpu
 from rstar_pipelines.llm.cpu.kernels.decode_attention_cpu import decode_attention
 
 pytestmark = pytest.mark.skipif(
-    not decode_attention_cpu.KERNEL.available(), reason="the CPU cannot run the kernel (AVX-512)"
+    not decode_attention_cpu.KERNEL.runs_here(), reason="the CPU cannot run the kernel (AVX-512)"
 )
 
 
