@@ -28,12 +28,14 @@ def served_llm(transformers_server):
         yield llm
 
 
+@pytest.mark.slow
 def test_names_the_served_model(served_llm, served_model_dir):
     assert isinstance(served_llm, LLM)
     # A pinned `transformers serve` only answers to the name it was started with.
     assert served_llm.model == str(served_model_dir)
 
 
+@pytest.mark.slow
 def test_greedy_text_and_counts_match_the_in_process_model(served_llm, embedded_fp32_llm):
     # The server serves the exported float32 weights: the in-process model with the same ones.
     prompts = ["The capital of France is", SAY_HI]
@@ -41,6 +43,7 @@ def test_greedy_text_and_counts_match_the_in_process_model(served_llm, embedded_
     assert served_llm.generate(prompts, params) == embedded_fp32_llm.generate(prompts, params)
 
 
+@pytest.mark.slow
 def test_stop_string_is_cut_and_reported(served_llm):
     # transformers serve keeps the stop string in the text and reports only "stop".
     [[completion]] = served_llm.generate(
@@ -54,6 +57,7 @@ def test_stop_string_is_cut_and_reported(served_llm):
     assert (completion.prompt_tokens, completion.completion_tokens) == (5, 2)
 
 
+@pytest.mark.slow
 def test_length_and_eos(served_llm):
     [[counted]] = served_llm.generate(["1, 2, 3, 4,"], GREEDY.model_copy(update={"max_tokens": 6}))
     assert (counted.finish_reason, counted.completion_tokens) == ("length", 6)
@@ -61,6 +65,7 @@ def test_length_and_eos(served_llm):
     assert hi.finish_reason == "eos" and hi.stop_string is None and 1 < hi.completion_tokens < 64
 
 
+@pytest.mark.slow
 def test_n_samples_one_request_each(served_llm):
     # transformers serve ignores n: the client sends one request per sample.
     params = SamplingParams(n=3, temperature=1.0, max_tokens=8, seed=7)
@@ -70,6 +75,7 @@ def test_n_samples_one_request_each(served_llm):
     assert all(0 < c.completion_tokens <= 8 for samples in results for c in samples)
 
 
+@pytest.mark.slow
 def test_seed_reproduces_when_requests_are_sequential(transformers_server):
     # transformers serve seeds torch when a request arrives, not when it runs: only one request
     # at a time gives reproducible samples.
@@ -80,12 +86,14 @@ def test_seed_reproduces_when_requests_are_sequential(transformers_server):
         )
 
 
+@pytest.mark.slow
 def test_continuing_an_assistant_message_is_refused_by_transformers_serve(served_llm):
     conversation = [*SAY_HI, {"role": "assistant", "content": "Hello"}]
     with pytest.raises(LLMServerError, match="422.*continue_final_message"):
         served_llm.generate([conversation], GREEDY)
 
 
+@pytest.mark.slow
 def test_two_servers_share_a_batch_and_one_dies_mid_batch(
     transformers_server, start_server, embedded_fp32_llm
 ):

@@ -91,6 +91,7 @@ def examples() -> list[dict]:
     ]
 
 
+@pytest.mark.slow
 def test_loss_falls_and_the_checkpoint_generates(tiny_base, tmp_path, monkeypatch):
     model, tokenizer = load_trainable(tiny_base)
     add_tags(model, tokenizer)
