@@ -28,6 +28,7 @@ from rstar_pipelines.pipeline.stage import (
     CheckSpec,
     Stage,
     StageContext,
+    StageInputError,
     StageParams,
     StageResult,
     rows_of,
@@ -291,6 +292,34 @@ def _group_figures(table: list[dict]) -> dict:
         "near_duplicate_examples": markdown_table(
             ["problem", "duplicate of", "similarity", "group", "held out"], examples
         ),
+    }
+
+
+def heldout_problems(
+    inputs: dict[str, pa.Table], split: HeldoutSplit, max_problems: int | None, stage: str
+) -> list[VerifiedProblem]:
+    """The verified problems (math and code) of the held-out split, at most `max_problems` of
+    each domain, for the evaluation `stage`; an error naming it when there are none."""
+    found = first_of_each_domain(on_side(verified_problems(inputs), split, True), max_problems)
+    if not found:
+        raise StageInputError(
+            f"{stage}: no verified problem of verified_outputs falls in the held-out split "
+            f"(heldout.fraction={split.fraction}, salt {split.salt!r}): verify more "
+            f"problems or raise heldout.fraction in pipeline.yaml"
+        )
+    return found
+
+
+def evaluated_row(problem: VerifiedProblem, round_: int) -> dict[str, Any]:
+    """The columns an evaluation's row opens with: which problem, where it comes from, and the
+    answer it is graded against."""
+    return {
+        "problem_id": problem.id,
+        "seed_id": problem.seed_id,
+        "batch": problem.batch,
+        "round": round_,
+        "domain": problem.domain,
+        "gold_answer": problem.answer,
     }
 
 

@@ -4,8 +4,6 @@ verified tests) only grades the final turn."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pyarrow as pa
 from pydantic import Field
 
@@ -16,19 +14,9 @@ from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
-from rstar_pipelines.pipeline.stage import (
-    Stage,
-    StageContext,
-    StageInputError,
-    StageParams,
-    StageResult,
-)
-from rstar_pipelines.problems import (
-    VerifiedProblem,
-    first_of_each_domain,
-    on_side,
-    verified_problems,
-)
+from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, StageResult
+from rstar_pipelines.pipeline.streamed import Finished, map_problems
+from rstar_pipelines.problems import VerifiedProblem, evaluated_row, heldout_problems
 from rstar_pipelines.storage import schemas
 
 # method -> how many turns it may take (None: the rollout config's)
@@ -65,72 +53,20 @@ class GRPOEvaluation(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        held = on_side(verified_problems(inputs), p.heldout, True)
-        problems = first_of_each_domain(held, p.max_problems)
-        if not problems:
-            raise StageInputError(
-                f"grpo_eval: no verified problem of verified_outputs falls in the held-out split "
-                f"(heldout.fraction={p.heldout.fraction}, salt {p.heldout.salt!r}): verify more "
-                f"problems or raise heldout.fraction in pipeline.yaml"
-            )
+        problems = heldout_problems(inputs, p.heldout, p.max_problems, "grpo_eval")
         models = CheckpointModels(self, ctx, checkpoint_path(inputs, "grpo_roc_checkpoint"), None)
-        system, user = self.prompts["agent_system"], self.prompts["agent_user"]
         rows = []
         for method, turns in METHODS.items():
             config = p.rollout.model_copy(update={"max_turns": turns or p.rollout.max_turns})
-
-            def key(q: VerifiedProblem, config=config) -> str:
-                return fingerprint(
-                    models.policy_name,
-                    config.model_dump(mode="json"),
-                    agent_prompt(system, user, q.question, q.domain),
-                    [q.answer, q.inputs, q.labels],  # they grade the outcome, never generation
-                )
-
-            def compute(
-                todo: list[VerifiedProblem], done: Callable[[int, dict], None], config=config
-            ) -> None:
-                llm, sandbox = models.policy(), ctx.resource("sandbox").get()
-                prompts = [agent_prompt(system, user, q.question, q.domain) for q in todo]
-
-                def finished(j: int, group: list[Trajectory], seconds: float) -> None:
-                    # Graded at once (a sandbox run for a code problem), then committed.
-                    q, [trajectory] = todo[j], group
-                    [[reward]] = rewards([group], [agent_problem(q)], sandbox, config.timeout_s)
-                    calls = trajectory.tool_calls
-                    done(
-                        j,
-                        {
-                            "answer": (
-                                final_answer(trajectory.final_text) if q.domain == "math" else None
-                            ),
-                            "correct": reward == 1.0,
-                            "turns": sum(m["role"] == "assistant" for m in trajectory.messages),
-                            "tool_calls": len(calls),
-                            "tool_errors": sum(c.status != "ok" for c in calls),
-                            "tokens": trajectory.completion_tokens,
-                            "seconds": seconds,
-                        },
-                    )
-
-                run_rollouts(llm, sandbox, prompts, 1, config, seed=0, on_done=finished)
-
-            # Every problem at once (the LLM backend decides how much is in flight), each
-            # committed as soon as its rollout has ended.
-            stored = ctx.cache.map_streamed(problems, key, compute)
+            outcomes = self._evaluate(ctx, models, problems, config)
             rows += [
                 {
-                    "problem_id": q.id,
-                    "seed_id": q.seed_id,
-                    "batch": q.batch,
-                    "round": p.round,
-                    "domain": q.domain,
-                    "gold_answer": q.answer,
+                    **evaluated_row(q, p.round),
                     "method": method,
                     **outcome,
                     "policy": models.policy_name,
                 }
-                for q, outcome in zip(problems, stored, strict=True)
+                for q, outcome in zip(problems, outcomes, strict=True)
             ]
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
@@ -140,6 +76,51 @@ class GRPOEvaluation(Stage):
                 "summary": _summary(rows),
             },
         )
+
+    def _evaluate(
+        self,
+        ctx: StageContext,
+        models: CheckpointModels,
+        problems: list[VerifiedProblem],
+        config: RolloutConfig,
+    ) -> list[dict]:
+        """Each problem's outcome of one rollout under `config`, graded by the training reward."""
+        system, user = self.prompts["agent_system"], self.prompts["agent_user"]
+
+        def key(q: VerifiedProblem) -> str:
+            return fingerprint(
+                models.policy_name,
+                config.model_dump(mode="json"),
+                agent_prompt(system, user, q.question, q.domain),
+                [q.answer, q.inputs, q.labels],  # they grade the outcome, never generation
+            )
+
+        def run(todo: list[VerifiedProblem], finished: Finished) -> None:
+            llm, sandbox = models.policy(), ctx.resource("sandbox").get()
+            prompts = [agent_prompt(system, user, q.question, q.domain) for q in todo]
+
+            def ended(j: int, group: list[Trajectory], seconds: float) -> None:
+                # Graded at once (a sandbox run for a code problem), then committed.
+                q, [trajectory] = todo[j], group
+                [[reward]] = rewards([group], [agent_problem(q)], sandbox, config.timeout_s)
+                finished(j, _outcome(q, trajectory, reward), seconds)
+
+            run_rollouts(llm, sandbox, prompts, 1, config, seed=0, on_done=ended)
+
+        return map_problems(ctx, problems, key, run, "rolled out")
+
+
+def _outcome(problem: VerifiedProblem, trajectory: Trajectory, reward: float) -> dict:
+    """What is kept of one problem's rollout: plain values, as cached and as the row holds them."""
+    calls = trajectory.tool_calls
+    return {
+        "answer": final_answer(trajectory.final_text) if problem.domain == "math" else None,
+        "correct": reward == 1.0,
+        "turns": sum(m["role"] == "assistant" for m in trajectory.messages),
+        "tool_calls": len(calls),
+        "tool_errors": sum(c.status != "ok" for c in calls),
+        "tokens": trajectory.completion_tokens,
+    }
 
 
 def _summary(rows: list[dict]):

@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from collections.abc import Callable
 
 import pyarrow as pa
 from pydantic import Field
@@ -29,19 +27,9 @@ from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import line_plot, markdown_table
-from rstar_pipelines.pipeline.stage import (
-    Stage,
-    StageContext,
-    StageInputError,
-    StageParams,
-    StageResult,
-)
-from rstar_pipelines.problems import (
-    VerifiedProblem,
-    first_of_each_domain,
-    on_side,
-    verified_problems,
-)
+from rstar_pipelines.pipeline.stage import Stage, StageContext, StageParams, StageResult
+from rstar_pipelines.pipeline.streamed import Finished, map_problems
+from rstar_pipelines.problems import VerifiedProblem, evaluated_row, heldout_problems
 from rstar_pipelines.storage import schemas
 
 
@@ -49,13 +37,6 @@ def dser_problem(problem: VerifiedProblem) -> DSERProblem:
     return DSERProblem(
         problem.id, problem.domain, problem.question, problem.answer, problem.inputs, problem.labels
     )
-
-
-def heldout_problems(
-    inputs: dict[str, pa.Table], split: HeldoutSplit, max_problems: int | None
-) -> list[VerifiedProblem]:
-    """The verified problems of the held-out split, at most `max_problems` of each domain."""
-    return first_of_each_domain(on_side(verified_problems(inputs), split, True), max_problems)
 
 
 def dser_prompts(stage: Stage) -> DSERPrompts:
@@ -86,14 +67,23 @@ class DSEREvaluation(Stage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = heldout_problems(inputs, p.heldout, p.max_problems)
-        if not problems:
-            raise StageInputError(
-                f"dser_eval: no verified problem of verified_outputs falls in the held-out split "
-                f"(heldout.fraction={p.heldout.fraction}, salt {p.heldout.salt!r}): verify more "
-                f"problems or raise heldout.fraction in pipeline.yaml"
-            )
+        problems = heldout_problems(inputs, p.heldout, p.max_problems, "dser_eval")
         models = CheckpointModels(self, ctx, checkpoint_path(inputs, "policy_checkpoint"), None)
+        outcomes = self._evolve(ctx, models, problems)
+        rows = [
+            {**evaluated_row(q, p.round), **outcome, "policy": models.policy_name}
+            for q, outcome in zip(problems, outcomes, strict=True)
+        ]
+        return StageResult(
+            table=pa.Table.from_pylist(rows, schema=self.schema),
+            metadata={"policy": models.policy_name, **_dser_summary(rows, p.dser.vote_last)},
+        )
+
+    def _evolve(
+        self, ctx: StageContext, models: CheckpointModels, problems: list[VerifiedProblem]
+    ) -> list[dict]:
+        """Each problem's outcome of its chains, the vote over them and their Markov figures."""
+        p = self.params
         prompts = dser_prompts(self)
 
         def key(q: VerifiedProblem) -> str:
@@ -106,38 +96,17 @@ class DSEREvaluation(Stage):
                 [q.domain, q.question, q.answer, q.inputs, q.labels],
             )
 
-        def compute(todo: list[VerifiedProblem], done: Callable[[int, dict], None]) -> None:
+        def run(todo: list[VerifiedProblem], finished: Finished) -> None:
             llm = models.policy()  # loaded before the evolution: the seconds are its own
             code = any(q.domain == "code" for q in todo)
             judge = Judge(ctx.resource("sandbox").get() if code else None, p.timeout_s, p.memory_mb)
 
-            def finished(j: int, run: DSERRun, seconds: float) -> None:
-                done(j, {**_outcome(run, p.dser.vote_last), "seconds": seconds})
+            def evolved(j: int, run: DSERRun, seconds: float) -> None:
+                finished(j, _outcome(run, p.dser.vote_last), seconds)
 
-            start = time.perf_counter()
-            run_dser(llm, [dser_problem(q) for q in todo], p.dser, prompts, judge, finished)
-            ctx.log.info(f"evolved {len(todo)} problems in {time.perf_counter() - start:.1f}s")
+            run_dser(llm, [dser_problem(q) for q in todo], p.dser, prompts, judge, evolved)
 
-        # Every problem at once (the LLM backend decides how much is in flight), each
-        # committed as soon as its chains have ended.
-        stored = ctx.cache.map_streamed(problems, key, compute)
-        rows = [
-            {
-                "problem_id": q.id,
-                "seed_id": q.seed_id,
-                "batch": q.batch,
-                "round": p.round,
-                "domain": q.domain,
-                "gold_answer": q.answer,
-                **outcome,
-                "policy": models.policy_name,
-            }
-            for q, outcome in zip(problems, stored, strict=True)
-        ]
-        return StageResult(
-            table=pa.Table.from_pylist(rows, schema=self.schema),
-            metadata={"policy": models.policy_name, **_dser_summary(rows, p.dser.vote_last)},
-        )
+        return map_problems(ctx, problems, key, run, "evolved")
 
 
 def _outcome(run: DSERRun, vote_last: int) -> dict:

@@ -4,7 +4,6 @@ tree), ppm_pairs and sft_dataset."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from dataclasses import dataclass
 from statistics import fmean
 from typing import ClassVar, Literal
@@ -27,6 +26,7 @@ from rstar_pipelines.pipeline.stage import (
     StageResult,
     rows_of,
 )
+from rstar_pipelines.pipeline.streamed import Finished, map_problems
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
     VerifiedProblem,
@@ -114,19 +114,19 @@ def search_trees(
             p.answer if gold else None,
         )
 
-    def compute(todo: list[VerifiedProblem], done: Callable[[int, dict], None]) -> None:
+    def run(todo: list[VerifiedProblem], finished: Finished) -> None:
         search = MCTSSearch(
             models.policy(), ctx.resource("sandbox").get(), config, models.ppm(), prompt
         )
         searcher.append(search)  # after loading the models: the seconds are the search's own
 
-        def finished(j: int, tree: Tree, seconds: float) -> None:
-            done(j, {"nodes": tree.nodes.to_pylist(), "seconds": seconds})
+        def searched(j: int, tree: Tree, seconds: float) -> None:
+            finished(j, {"nodes": tree.nodes.to_pylist()}, seconds)
 
-        search.run([problem(p) for p in todo], params.window, finished)
-        ctx.log.info(f"searched {len(todo)} trees: {search.stats.as_dict()}")
+        search.run([problem(p) for p in todo], params.window, searched)
+        ctx.log.info(f"search figures: {search.stats.as_dict()}")
 
-    stored = ctx.cache.map_streamed(problems, key, compute)
+    stored = map_problems(ctx, problems, key, run, "searched the trees of")
     return SearchRun(
         trees=[
             Tree(problem(p), tree_from_rows(item["nodes"]))
