@@ -195,6 +195,50 @@ def _is_empty(path: Path) -> bool:
     return not path.read_bytes().removeprefix(b"\xef\xbb\xbf").strip()
 
 
+def _seed_or_rejection(
+    obj: Any, decode_error: str | None, max_problem_chars: int
+) -> MathSeed | CodeSeed | tuple[str | None, str]:
+    """A record's seed, or why it is rejected: the field at fault (None: the whole record)
+    and the reason."""
+    if decode_error:
+        return None, decode_error
+    try:
+        seed = _validate(obj)
+    except ValidationError as err:
+        first = err.errors()[0]
+        return ".".join(str(p) for p in first["loc"]) or None, first["msg"]
+    except TypeError as err:
+        return None, str(err)
+    except LookupError as err:
+        return "domain", str(err)
+    if len(seed.problem) > max_problem_chars:
+        return (
+            "problem",
+            f"problem is {len(seed.problem)} characters long, over the declared limit of "
+            f"{max_problem_chars} (max_problem_chars)",
+        )
+    return seed
+
+
+def _problem_row(seed: MathSeed | CodeSeed, batch: str, source_file: str, line: int) -> dict:
+    """A seed_problems row: the seed with its id and where it was read."""
+    answer = seed.answer if isinstance(seed, MathSeed) else None
+    oracles = seed.oracle_solutions if isinstance(seed, CodeSeed) else []
+    code = isinstance(seed, CodeSeed)
+    return {
+        "id": problem_id(seed.domain, seed.problem, answer, oracles),
+        "batch": batch,
+        "domain": seed.domain,
+        "problem": seed.problem,
+        "answer": answer,
+        "oracle_solutions": oracles,
+        "examples": [e.model_dump() for e in seed.examples] if code else [],
+        "time_limit_s": seed.time_limit_s if code else None,
+        "source_file": source_file,
+        "source_line": line,
+    }
+
+
 def parse_seed_file(
     path: Path, batch: str, max_problem_chars: int = MAX_PROBLEM_CHARS
 ) -> ParsedBatch:
@@ -219,52 +263,14 @@ def parse_seed_file(
         )
 
     for line, raw, obj, decode_error in _records(path):
-        if decode_error:
-            reject(line, None, decode_error, raw)
+        seed = _seed_or_rejection(obj, decode_error, max_problem_chars)
+        if isinstance(seed, tuple):
+            reject(line, *seed, raw)
             continue
-        try:
-            seed = _validate(obj)
-        except ValidationError as err:
-            first = err.errors()[0]
-            loc = ".".join(str(p) for p in first["loc"]) or None
-            reject(line, loc, first["msg"], raw)
+        row = _problem_row(seed, batch, path.name, line)
+        if row["id"] in seen:
+            reject(line, "problem", f"duplicate of line {seen[row['id']]}", raw)
             continue
-        except TypeError as err:
-            reject(line, None, str(err), raw)
-            continue
-        except LookupError as err:
-            reject(line, "domain", str(err), raw)
-            continue
-        if len(seed.problem) > max_problem_chars:
-            reject(
-                line,
-                "problem",
-                f"problem is {len(seed.problem)} characters long, over the declared limit of "
-                f"{max_problem_chars} (max_problem_chars)",
-                raw,
-            )
-            continue
-        answer = seed.answer if isinstance(seed, MathSeed) else None
-        oracles = seed.oracle_solutions if isinstance(seed, CodeSeed) else []
-        pid = problem_id(seed.domain, seed.problem, answer, oracles)
-        if pid in seen:
-            reject(line, "problem", f"duplicate of line {seen[pid]}", raw)
-            continue
-        seen[pid] = line
-        out.problems.append(
-            {
-                "id": pid,
-                "batch": batch,
-                "domain": seed.domain,
-                "problem": seed.problem,
-                "answer": answer,
-                "oracle_solutions": oracles,
-                "examples": [e.model_dump() for e in seed.examples]
-                if isinstance(seed, CodeSeed)
-                else [],
-                "time_limit_s": seed.time_limit_s if isinstance(seed, CodeSeed) else None,
-                "source_file": path.name,
-                "source_line": line,
-            }
-        )
+        seen[row["id"]] = line
+        out.problems.append(row)
     return out
