@@ -122,26 +122,10 @@ def render_jobs(pools: Mapping[str, str | None], image: str, namespace: str) -> 
     one step Job per pool of `pools` (asset key -> pool; for its first asset), and a
     training pod."""
     import kubernetes
-    from dagster_k8s.container_context import K8sContainerContext
-    from dagster_k8s.job import (
-        DagsterK8sJobConfig,
-        UserDefinedDagsterK8sConfig,
-        construct_dagster_k8s_job,
-    )
-    from dagster_k8s.pipes import build_pod_body
+    from dagster_k8s.job import DagsterK8sJobConfig, construct_dagster_k8s_job
 
     launcher = _launcher_config()
-    base = K8sContainerContext(
-        image_pull_policy=launcher["image_pull_policy"],
-        service_account_name=launcher["service_account_name"],
-        env_config_maps=launcher["env_config_maps"],
-        env_secrets=launcher["env_secrets"],
-        env_vars=launcher["env_vars"],
-        volume_mounts=launcher["volume_mounts"],
-        volumes=launcher["volumes"],
-        namespace=namespace,
-        run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(launcher["run_k8s_config"]),
-    )
+    base = _container_context(launcher, namespace)
     # As K8sContainerContext.get_k8s_job_config: the rest is in run_k8s_config.
     job_config = DagsterK8sJobConfig(
         job_image=image,
@@ -161,33 +145,65 @@ def render_jobs(pools: Mapping[str, str | None], image: str, namespace: str) -> 
             )
         )
     }
+    for name, job in _step_jobs(pools, base, job_config).items():
+        rendered[name] = serialize(job)
+    rendered["training_pod"] = serialize(_training_pod_body(image))
+    return rendered
+
+
+def _container_context(launcher: dict[str, Any], namespace: str) -> Any:
+    """The run launcher's container settings (the template's), in `namespace`."""
+    from dagster_k8s.container_context import K8sContainerContext
+    from dagster_k8s.job import UserDefinedDagsterK8sConfig
+
+    return K8sContainerContext(
+        image_pull_policy=launcher["image_pull_policy"],
+        service_account_name=launcher["service_account_name"],
+        env_config_maps=launcher["env_config_maps"],
+        env_secrets=launcher["env_secrets"],
+        env_vars=launcher["env_vars"],
+        volume_mounts=launcher["volume_mounts"],
+        volumes=launcher["volumes"],
+        namespace=namespace,
+        run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(launcher["run_k8s_config"]),
+    )
+
+
+def _step_jobs(pools: Mapping[str, str | None], base: Any, job_config: Any) -> dict[str, Any]:
+    """One step Job per pool, for the first asset of that pool, by pool name."""
+    from dagster_k8s.container_context import K8sContainerContext
+    from dagster_k8s.job import UserDefinedDagsterK8sConfig, construct_dagster_k8s_job
+
     firsts: dict[str | None, str] = {}
     for key, pool in pools.items():
         firsts.setdefault(pool, key)
+    jobs = {}
     for pool, key in sorted(firsts.items(), key=lambda item: item[0] or ""):
         step = base.merge(
             K8sContainerContext(
                 run_k8s_config=UserDefinedDagsterK8sConfig.from_dict(pool_config(pool))
             )
         )
-        rendered[f"step:{pool or 'default'}"] = serialize(
-            construct_dagster_k8s_job(
-                job_config,
-                args=["dagster", "api", "execute_step", "<serialized step args>"],
-                job_name=f"dagster-step-{key.replace('_', '-')}",
-                component="step_worker",
-                user_defined_k8s_config=step.run_k8s_config,
-                labels={"dagster/op": key, "dagster/run-id": "<run id>"},
-            )
+        jobs[f"step:{pool or 'default'}"] = construct_dagster_k8s_job(
+            job_config,
+            args=["dagster", "api", "execute_step", "<serialized step args>"],
+            job_name=f"dagster-step-{key.replace('_', '-')}",
+            component="step_worker",
+            user_defined_k8s_config=step.run_k8s_config,
+            labels={"dagster/op": key, "dagster/run-id": "<run id>"},
         )
-    rendered["training_pod"] = serialize(
-        build_pod_body(
-            pod_name="dagster-pipes-<run id>-<asset>",
-            image=image,
-            command=["python", "-m", "rstar_pipelines.training.launch", "<train_config.json>"],
-            env_vars={"DAGSTER_PIPES_CONTEXT": "<injected>", "DAGSTER_PIPES_MESSAGES": "<...>"},
-            base_pod_meta=None,
-            base_pod_spec=training_pod_spec(image),
-        )
+    return jobs
+
+
+def _training_pod_body(image: str) -> Any:
+    """The pod a training step runs in through Dagster Pipes."""
+    from dagster_k8s.pipes import build_pod_body
+
+    return build_pod_body(
+        pod_name="dagster-pipes-<run id>-<asset>",
+        image=image,
+        command=["python", "-m", "rstar_pipelines.training.launch", "<train_config.json>"],
+        env_vars={"DAGSTER_PIPES_CONTEXT": "<injected>", "DAGSTER_PIPES_MESSAGES": "<...>"},
+        base_pod_meta=None,
+        base_pod_spec=training_pod_spec(image),
     )
-    return rendered
