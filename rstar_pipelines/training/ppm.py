@@ -242,24 +242,36 @@ def train_ppm(
         )
         trainer.remove_callback(PrinterCallback)
         log(f"PPM: {len(train)} pairs ({len(heldout)} held out)")
-        before = trainer.accuracy(train_data, "train_before")
+        accuracies = {"train_accuracy_before": trainer.accuracy(train_data, "train_before")}
         resumed = hf_trainer.train(trainer, out, log)
-        after = trainer.accuracy(train_data, "train_after")
-        heldout_accuracy = trainer.accuracy(heldout_data, "heldout")
+        accuracies["train_accuracy_after"] = trainer.accuracy(train_data, "train_after")
+        accuracies["heldout_accuracy"] = trainer.accuracy(heldout_data, "heldout")
         ppm.model = hf_trainer.finish(trainer, ppm.tokenizer, out if output_dir else None)
         ppm.model.eval()
-        return {
-            "losses": hf_trainer.logged(trainer, "loss"),
-            "train_accuracy_before": before,
-            "train_accuracy_after": after,
-            "heldout_accuracy": heldout_accuracy,
-            # The periodic evaluations (the others log under their own prefix, e.g. train_before).
-            "heldout_accuracy_curve": [
-                e["eval_accuracy"] for e in trainer.state.log_history if "eval_loss" in e
-            ],
-            "train_pairs": len(train),
-            "heldout_pairs": len(heldout),
-            "steps": trainer.state.global_step,
-            "resumed_from_step": resumed,
-            "processes": trainer.accelerator.num_processes,
-        }
+        return _metrics(trainer, accuracies, len(train), len(heldout), resumed)
+
+
+def _metrics(
+    trainer: Any,
+    accuracies: dict[str, float | None],
+    train_pairs: int,
+    heldout_pairs: int,
+    resumed: int | None,
+) -> dict:
+    """What train_ppm returns: the losses, the pairwise accuracies, the periodic held-out
+    evaluations and the run's size."""
+    from rstar_pipelines.training import hf_trainer
+
+    return {
+        "losses": hf_trainer.logged(trainer, "loss"),
+        **accuracies,
+        # The periodic evaluations (the others log under their own prefix, e.g. train_before).
+        "heldout_accuracy_curve": [
+            e["eval_accuracy"] for e in trainer.state.log_history if "eval_loss" in e
+        ],
+        "train_pairs": train_pairs,
+        "heldout_pairs": heldout_pairs,
+        "steps": trainer.state.global_step,
+        "resumed_from_step": resumed,
+        "processes": trainer.accelerator.num_processes,
+    }
