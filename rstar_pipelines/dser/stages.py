@@ -154,32 +154,11 @@ def _dser_summary(rows: list[dict], vote_last: int) -> dict:
     table, by_iteration = [], {}
     for domain in ("math", "code"):
         mine = [r for r in rows if r["domain"] == domain]
-        if not mine:
-            continue
-        chains = [chain for r in mine for chain in _chains(r)]
-        counts = sum(
-            (
-                TransitionCounts(*(r[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii")))
-                for r in mine
-            ),
-            TransitionCounts(),
-        )
-        markov = estimate(counts)
-        by_iteration[domain] = accuracy_by_iteration(chains)
-        table.append(
-            [
-                domain,
-                len(mine),
-                _fmt(mean(r["vote_correct"] for r in mine)),
-                _fmt(by_iteration[domain][0]),
-                _fmt(observed_accuracy(chains, vote_last)),
-                _fmt(markov.predicted),
-                _fmt(markov.p_improve),
-                _fmt(markov.p_degrade),
-                f"{mean(r['tokens'] for r in mine):.0f}",
-                f"{mean(r['seconds'] for r in mine):.2f}",
-            ]
-        )
+        if mine:
+            chains = [chain for r in mine for chain in _chains(r)]
+            by_iteration[domain] = accuracy_by_iteration(chains)
+            first = by_iteration[domain][0]
+            table.append([domain, len(mine), *_domain_figures(mine, chains, first, vote_last)])
     return {
         "problems": len(rows),
         "accuracy": mean(r["vote_correct"] for r in rows),
@@ -211,6 +190,31 @@ def _dser_summary(rows: list[dict], vote_last: int) -> dict:
             for domain, values in by_iteration.items()
         },
     }
+
+
+def _domain_figures(
+    rows: list[dict], chains: list[list[bool]], first: float, vote_last: int
+) -> list[str]:
+    """One domain's summary cells, from its rows, their chains' correctness and the accuracy
+    of the first solutions: from the vote's accuracy to the seconds per problem."""
+    counts = sum(
+        (
+            TransitionCounts(*(r[f"transitions_{k}"] for k in ("cc", "ci", "ic", "ii")))
+            for r in rows
+        ),
+        TransitionCounts(),
+    )
+    markov = estimate(counts)
+    return [
+        _fmt(mean(r["vote_correct"] for r in rows)),
+        _fmt(first),
+        _fmt(observed_accuracy(chains, vote_last)),
+        _fmt(markov.predicted),
+        _fmt(markov.p_improve),
+        _fmt(markov.p_degrade),
+        f"{mean(r['tokens'] for r in rows):.0f}",
+        f"{mean(r['seconds'] for r in rows):.2f}",
+    ]
 
 
 def mean(values) -> float:
