@@ -251,31 +251,11 @@ def train_gates(
     training)."""
     began = time.monotonic()
     torch.manual_seed(config.seed)
-    device = next(model.parameters()).device
-    model.requires_grad_(False)
-    model.eval()
-    overrides = {"base_model": base_model} if base_model is not None else {}
-    gate_config = GateConfig.for_model(
-        model.config,
-        block_size=config.block_size,
-        gate_dim=config.gate_dim,
-        qk_norm=config.qk_norm,
-        **overrides,
-    )
-    gates = SeerGates(gate_config).to(device)
-    encoded = _tokenise(tokenizer, texts, config, device)
-    # (index into texts, token ids) of the texts long enough to have a target
-    usable = [(i, ids) for i, ids in enumerate(encoded) if ids.shape[0] > config.block_size]
-    if not usable:
-        raise ValueError(
-            f"none of the {len(texts)} texts is longer than one block ({config.block_size} "
-            "tokens): there is nothing to distil"
-        )
+    gates = _fresh_gates(model, config, base_model)
+    gate_config = gates.config
+    encoded = _tokenise(tokenizer, texts, config, next(model.parameters()).device)
     rng = random.Random(config.seed)
-    rng.shuffle(usable)
-    # At least one text is trained on, and one held out when the fraction asks for any.
-    wanted = max(1, round(len(usable) * config.heldout_fraction)) if config.heldout_fraction else 0
-    held = min(len(usable) - 1, wanted)
+    usable, held = _split(encoded, config, rng)
     cache: dict[int, list[Teacher]] = {}
 
     def teacher(index: int) -> list[Teacher]:
@@ -292,25 +272,7 @@ def train_gates(
     )
     heldout = range(held)
     before = heldout_recall(gates, map(teacher, heldout), config.topk_blocks)
-    optimizer = torch.optim.AdamW(gates.parameters(), lr=config.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
-    order: list[int] = []
-    losses = []
-    every = max(1, config.steps // 20)
-    for step in range(config.steps):
-        if not order:
-            order = list(range(held, len(usable)))
-            rng.shuffle(order)
-        loss = sequence_loss(gates, teacher(order.pop()), config)
-        optimizer.zero_grad()
-        loss.backward()
-        if config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(gates.parameters(), config.max_grad_norm)
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        if step % every == 0 or step == config.steps - 1:
-            log(f"step {step + 1}/{config.steps}: loss {losses[-1]:.4f}")
+    losses = _optimize(gates, teacher, range(held, len(usable)), config, rng, log)
     after = heldout_recall(gates, map(teacher, heldout), config.topk_blocks)
     metrics = {
         "losses": losses,
@@ -327,3 +289,66 @@ def train_gates(
     }
     log(f"held-out top-{config.topk_blocks} recall {before} -> {after}")
     return gates, metrics
+
+
+def _fresh_gates(model: Any, config: GateTrainConfig, base_model: str | None) -> SeerGates:
+    """Untrained gates on the model's device, the model frozen in eval mode."""
+    model.requires_grad_(False)
+    model.eval()
+    overrides = {"base_model": base_model} if base_model is not None else {}
+    gate_config = GateConfig.for_model(
+        model.config,
+        block_size=config.block_size,
+        gate_dim=config.gate_dim,
+        qk_norm=config.qk_norm,
+        **overrides,
+    )
+    return SeerGates(gate_config).to(next(model.parameters()).device)
+
+
+def _split(
+    encoded: list[torch.Tensor], config: GateTrainConfig, rng: random.Random
+) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """The texts long enough to have a target, as (index into texts, token ids) in a shuffled
+    order, and how many of the first are held out."""
+    usable = [(i, ids) for i, ids in enumerate(encoded) if ids.shape[0] > config.block_size]
+    if not usable:
+        raise ValueError(
+            f"none of the {len(encoded)} texts is longer than one block ({config.block_size} "
+            "tokens): there is nothing to distil"
+        )
+    rng.shuffle(usable)
+    # At least one text is trained on, and one held out when the fraction asks for any.
+    wanted = max(1, round(len(usable) * config.heldout_fraction)) if config.heldout_fraction else 0
+    return usable, min(len(usable) - 1, wanted)
+
+
+def _optimize(
+    gates: SeerGates,
+    teacher: Callable[[int], list[Teacher]],
+    trained: range,
+    config: GateTrainConfig,
+    rng: random.Random,
+    log: Callable[[str], Any],
+) -> list[float]:
+    """`config.steps` AdamW steps, one text of `trained` each, in shuffled passes; the losses."""
+    optimizer = torch.optim.AdamW(gates.parameters(), lr=config.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule(config))
+    order: list[int] = []
+    losses = []
+    every = max(1, config.steps // 20)
+    for step in range(config.steps):
+        if not order:
+            order = list(trained)
+            rng.shuffle(order)
+        loss = sequence_loss(gates, teacher(order.pop()), config)
+        optimizer.zero_grad()
+        loss.backward()
+        if config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(gates.parameters(), config.max_grad_norm)
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        if step % every == 0 or step == config.steps - 1:
+            log(f"step {step + 1}/{config.steps}: loss {losses[-1]:.4f}")
+    return losses
