@@ -211,31 +211,7 @@ def train_grpo(
     use_vllm = _use_vllm(config)
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(output_dir or scratch)
-        args = hf_trainer.arguments(
-            GRPOConfig,
-            config,
-            launch,
-            out,
-            max_steps=config.steps * updates,
-            lr_scheduler_type="constant_with_warmup",
-            warmup_steps=config.warmup_steps,
-            weight_decay=config.weight_decay,
-            num_generations=config.group_size,
-            steps_per_generation=micro_batches,
-            num_iterations=config.epochs,
-            beta=0.0,
-            epsilon=config.clip_low,
-            epsilon_high=config.clip_high,
-            delta=config.dual_clip,
-            loss_type="dapo",
-            max_completion_length=config.rollout.max_response_tokens,
-            use_vllm=use_vllm,
-            vllm_mode="colocate",
-            vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-            vllm_max_model_length=config.max_length,
-            vllm_importance_sampling_correction=False,  # rollouts come back as text, not logprobs
-            shuffle_dataset=True,
-        )
+        args = _arguments(GRPOConfig, config, launch, out, micro_batches, updates, use_vllm)
         trainer = _grpo_roc_trainer(
             config,
             problems,
@@ -260,17 +236,63 @@ def train_grpo(
         resumed = hf_trainer.train(trainer, out, log)
         hf_trainer.finish(trainer, tokenizer, out if output_dir else None)
         model.eval()
-        per_step, losses = _per_step(trainer.state.log_history, updates)
-        return {
-            **per_step,
-            "losses": losses,
-            "steps": config.steps,
-            "updates_per_step": updates,
-            "examples": len(problems),
-            "skipped_steps": sum(1 for n in per_step["updates"] if n == 0),
-            "resumed_from_step": resumed,
-            "processes": trainer.accelerator.num_processes,
-        }
+        return _metrics(trainer, config, updates, len(problems), resumed)
+
+
+def _arguments(
+    config_class: type,
+    config: GRPOTrainConfig,
+    launch: LaunchConfig,
+    out: Path,
+    micro_batches: int,
+    updates: int,
+    use_vllm: bool,
+) -> Any:
+    """TRL's GRPOConfig for a GRPO-RoC run: its schedule, clipping and rollout engine."""
+    from rstar_pipelines.training import hf_trainer
+
+    return hf_trainer.arguments(
+        config_class,
+        config,
+        launch,
+        out,
+        max_steps=config.steps * updates,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=config.warmup_steps,
+        weight_decay=config.weight_decay,
+        num_generations=config.group_size,
+        steps_per_generation=micro_batches,
+        num_iterations=config.epochs,
+        beta=0.0,
+        epsilon=config.clip_low,
+        epsilon_high=config.clip_high,
+        delta=config.dual_clip,
+        loss_type="dapo",
+        max_completion_length=config.rollout.max_response_tokens,
+        use_vllm=use_vllm,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        vllm_max_model_length=config.max_length,
+        vllm_importance_sampling_correction=False,  # rollouts come back as text, not logprobs
+        shuffle_dataset=True,
+    )
+
+
+def _metrics(
+    trainer: Any, config: GRPOTrainConfig, updates: int, examples: int, resumed: int | None
+) -> dict:
+    """What train_grpo returns, from the trainer's log history."""
+    per_step, losses = _per_step(trainer.state.log_history, updates)
+    return {
+        **per_step,
+        "losses": losses,
+        "steps": config.steps,
+        "updates_per_step": updates,
+        "examples": examples,
+        "skipped_steps": sum(1 for n in per_step["updates"] if n == 0),
+        "resumed_from_step": resumed,
+        "processes": trainer.accelerator.num_processes,
+    }
 
 
 def _use_vllm(config: GRPOTrainConfig) -> bool:
@@ -331,7 +353,6 @@ def _grpo_roc_trainer(
     import torch
     from transformers import TrainerCallback
     from trl import GRPOTrainer
-    from trl.models.utils import unwrap_model_for_generation
 
     class GRPORoCTrainer(GRPOTrainer):
         def _generate_and_score_completions(self, inputs):
@@ -345,119 +366,12 @@ def _grpo_roc_trainer(
             return output
 
         def roc_rollouts(self, prompts: list) -> dict[str, Any]:
-            group = self.num_generations
-            rows = self._rows
-            starts = range(0, len(rows), group)
-            if any(
-                {r["problem"] for r in rows[s : s + group]} != {rows[s]["problem"]} for s in starts
-            ):
-                raise RuntimeError("a process got a partial group: check_batches should prevent it")
-            chosen = [problems[rows[s]["problem"]] for s in starts]
-            seed = hash((config.seed, self.state.global_step, self.accelerator.process_index))
-            rng = random.Random(seed)
-            with self._policy() as llm:
-                groups = run_rollouts(
-                    llm,
-                    sandbox,
-                    [prompts[s] for s in starts],
-                    config.oversample * group,
-                    config.rollout,
-                    seed=seed % 2**31,
-                )
-            scores = rewards(
-                groups, chosen, sandbox, config.rollout.timeout_s, config.rollout.memory_mb
-            )
-            kept, figures = _resample(groups, scores, config, rng)
-            out: dict[str, list] = {
-                "prompt_ids": [], "completion_ids": [], "env_mask": [], "reward": [],
-                "advantage": [],
-            }  # fmt: skip
-            for trajectory, reward, advantage, trained in kept:
-                ids, mask = rollout_tokens(self.processing_class, trajectory, config.max_length)
-                start = mask.index(True) if True in mask else len(ids) - 1
-                out["prompt_ids"].append(ids[:start])
-                out["completion_ids"].append(ids[start:])
-                out["env_mask"].append([int(m and trained) for m in mask[start:]])
-                out["reward"].append(reward)
-                out["advantage"].append(advantage)
-            figures["kept"] = sum(1 for mask in out["env_mask"] if any(mask))
-            self._log_step_figures(figures)
-            return {**out, "logprobs": None}
-
-        def _policy(self):
-            @contextmanager
-            def policy():
-                if self.use_vllm:
-                    from rstar_pipelines.llm.vllm_backend import VllmLLM
-
-                    yield VllmLLM.over_engine(self.vllm_generation.llm, name="grpo-policy")
-                    return
-                with (
-                    unwrap_model_for_generation(self.model_wrapped, self.accelerator) as model,
-                    _without_autocast(model),
-                ):
-                    yield transformers_llm_class().wrap(
-                        model,
-                        self.processing_class,
-                        name="grpo-policy",
-                        batch_size=config.generation_batch_size,
-                    )
-
-            return policy()
-
-        def _log_step_figures(self, figures: dict[str, float]) -> None:
-            """This step's rollout figures over all processes, into TRL's log of the next step."""
-            names = list(_LOGGED)
-            local = torch.tensor([float(figures[n]) for n in names], device=self.accelerator.device)
-            total = self.accelerator.gather(local).view(-1, len(names))
-            for i, name in enumerate(names):
-                value = total[:, i].sum() if name == "kept" else total[:, i].mean()
-                self._metrics["train"][_LOGGED[name]].append(value.item())
+            return _roc_rollouts(self, prompts, config, problems, sandbox)
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             if return_outputs:
                 raise ValueError("GRPO-RoC returns no outputs")
-            prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
-            mask = inputs["completion_mask"] * inputs["tool_mask"]
-            tokens = mask.sum()
-            metrics = self._metrics["train"]
-            if tokens == 0 and self.accelerator.num_processes == 1:
-                # Every rollout here was dropped or cut, and no other process's gradient
-                # all-reduce waits on this backward: a zero, without the model's forward and
-                # backward (with every group dropped, three quarters of a CPU job's time).
-                metrics["roc/updated"].append(float(self._step_kept_tokens > 0))
-                return torch.zeros((), device=prompt_ids.device, requires_grad=True)
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
-            logprobs, _, _ = self._get_per_token_logps_and_entropies(
-                model, input_ids, attention_mask, completion_ids.size(1)
-            )
-            old = inputs.get("old_per_token_logps")
-            old = logprobs.detach() if old is None else old
-            if tokens == 0:  # on several processes, a zero through the model (DDP's backward)
-                metrics["roc/updated"].append(float(self._step_kept_tokens > 0))
-                return (logprobs * 0).sum()
-            loss, stats = grpo_loss(
-                logprobs,
-                old,
-                inputs["advantages"],
-                mask,
-                clip_low=config.clip_low,
-                clip_high=config.clip_high,
-                dual_clip=config.dual_clip,
-            )
-            # The token-mean over this micro-batch, rescaled as TRL's "dapo" loss: over the
-            # optimizer step's tokens on all processes (DDP averages the gradients).
-            normalizer = (
-                inputs["num_items_in_batch"].clamp(min=1.0)
-                / self.accelerator.num_processes
-                * self.current_gradient_accumulation_steps
-                / self.args.steps_per_generation
-            )
-            metrics["roc/updated"].append(1.0)
-            metrics["roc/clip_low"].append(stats["clip_fraction_low"])
-            metrics["roc/clip_high"].append(stats["clip_fraction_high"])
-            return loss * tokens / normalizer
+            return _roc_loss(self, model, inputs, config)
 
     class SkipEmptySteps(TrainerCallback):
         """No update from an optimizer step that kept no rollout anywhere: with every gradient
@@ -477,6 +391,141 @@ def _grpo_roc_trainer(
     trainer.add_callback(SkipEmptySteps())
     trainer._step_kept_tokens = 1
     return trainer
+
+
+def _roc_rollouts(
+    trainer: Any,
+    prompts: list,
+    config: GRPOTrainConfig,
+    problems: Sequence[AgentProblem],
+    sandbox: Any,
+) -> dict[str, Any]:
+    """TRL's rollout function: `oversample` times the group's rollouts per problem, scored,
+    resampled by RoC and tokenized, the kept ones with their advantages."""
+    group = trainer.num_generations
+    rows = trainer._rows
+    starts = range(0, len(rows), group)
+    if any({r["problem"] for r in rows[s : s + group]} != {rows[s]["problem"]} for s in starts):
+        raise RuntimeError("a process got a partial group: check_batches should prevent it")
+    chosen = [problems[rows[s]["problem"]] for s in starts]
+    seed = hash((config.seed, trainer.state.global_step, trainer.accelerator.process_index))
+    rng = random.Random(seed)
+    with _policy(trainer, config) as llm:
+        groups = run_rollouts(
+            llm,
+            sandbox,
+            [prompts[s] for s in starts],
+            config.oversample * group,
+            config.rollout,
+            seed=seed % 2**31,
+        )
+    scores = rewards(groups, chosen, sandbox, config.rollout.timeout_s, config.rollout.memory_mb)
+    kept, figures = _resample(groups, scores, config, rng)
+    out = _rollout_batch(trainer.processing_class, kept, config.max_length)
+    figures["kept"] = sum(1 for mask in out["env_mask"] if any(mask))
+    _log_step_figures(trainer, figures)
+    return {**out, "logprobs": None}
+
+
+def _rollout_batch(
+    tokenizer: Any, kept: list[tuple[Trajectory, float, float, bool]], max_length: int
+) -> dict[str, list]:
+    """The kept rollouts as TRL's rollout function returns them: prompt and completion ids, the
+    mask of the trained tokens (none for a dropped group's stand-ins), rewards and advantages."""
+    out: dict[str, list] = {
+        "prompt_ids": [], "completion_ids": [], "env_mask": [], "reward": [], "advantage": [],
+    }  # fmt: skip
+    for trajectory, reward, advantage, trained in kept:
+        ids, mask = rollout_tokens(tokenizer, trajectory, max_length)
+        start = mask.index(True) if True in mask else len(ids) - 1
+        out["prompt_ids"].append(ids[:start])
+        out["completion_ids"].append(ids[start:])
+        out["env_mask"].append([int(m and trained) for m in mask[start:]])
+        out["reward"].append(reward)
+        out["advantage"].append(advantage)
+    return out
+
+
+@contextmanager
+def _policy(trainer: Any, config: GRPOTrainConfig) -> Iterator[Any]:
+    """The policy as it is now, as an LLM: the colocated vLLM engine, or the model in training
+    unwrapped for generation."""
+    if trainer.use_vllm:
+        from rstar_pipelines.llm.vllm_backend import VllmLLM
+
+        yield VllmLLM.over_engine(trainer.vllm_generation.llm, name="grpo-policy")
+        return
+    from trl.models.utils import unwrap_model_for_generation
+
+    with (
+        unwrap_model_for_generation(trainer.model_wrapped, trainer.accelerator) as model,
+        _without_autocast(model),
+    ):
+        yield transformers_llm_class().wrap(
+            model,
+            trainer.processing_class,
+            name="grpo-policy",
+            batch_size=config.generation_batch_size,
+        )
+
+
+def _log_step_figures(trainer: Any, figures: dict[str, float]) -> None:
+    """This step's rollout figures over all processes, into TRL's log of the next step."""
+    import torch
+
+    names = list(_LOGGED)
+    local = torch.tensor([float(figures[n]) for n in names], device=trainer.accelerator.device)
+    total = trainer.accelerator.gather(local).view(-1, len(names))
+    for i, name in enumerate(names):
+        value = total[:, i].sum() if name == "kept" else total[:, i].mean()
+        trainer._metrics["train"][_LOGGED[name]].append(value.item())
+
+
+def _roc_loss(trainer: Any, model: Any, inputs: dict, config: GRPOTrainConfig) -> Any:
+    """The GRPO-RoC loss of one micro-batch, scaled as TRL's "dapo" loss."""
+    import torch
+
+    prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+    mask = inputs["completion_mask"] * inputs["tool_mask"]
+    tokens = mask.sum()
+    metrics = trainer._metrics["train"]
+    if tokens == 0 and trainer.accelerator.num_processes == 1:
+        # Every rollout here was dropped or cut, and no other process's gradient
+        # all-reduce waits on this backward: a zero, without the model's forward and
+        # backward (with every group dropped, three quarters of a CPU job's time).
+        metrics["roc/updated"].append(float(trainer._step_kept_tokens > 0))
+        return torch.zeros((), device=prompt_ids.device, requires_grad=True)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+    logprobs, _, _ = trainer._get_per_token_logps_and_entropies(
+        model, input_ids, attention_mask, completion_ids.size(1)
+    )
+    old = inputs.get("old_per_token_logps")
+    old = logprobs.detach() if old is None else old
+    if tokens == 0:  # on several processes, a zero through the model (DDP's backward)
+        metrics["roc/updated"].append(float(trainer._step_kept_tokens > 0))
+        return (logprobs * 0).sum()
+    loss, stats = grpo_loss(
+        logprobs,
+        old,
+        inputs["advantages"],
+        mask,
+        clip_low=config.clip_low,
+        clip_high=config.clip_high,
+        dual_clip=config.dual_clip,
+    )
+    # The token-mean over this micro-batch, rescaled as TRL's "dapo" loss: over the
+    # optimizer step's tokens on all processes (DDP averages the gradients).
+    normalizer = (
+        inputs["num_items_in_batch"].clamp(min=1.0)
+        / trainer.accelerator.num_processes
+        * trainer.current_gradient_accumulation_steps
+        / trainer.args.steps_per_generation
+    )
+    metrics["roc/updated"].append(1.0)
+    metrics["roc/clip_low"].append(stats["clip_fraction_low"])
+    metrics["roc/clip_high"].append(stats["clip_fraction_high"])
+    return loss * tokens / normalizer
 
 
 def _outcome_reward(prompts, completions, reward, **kwargs) -> list[float]:
