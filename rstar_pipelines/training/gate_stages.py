@@ -35,6 +35,7 @@ from rstar_pipelines.pipeline.stage import (
 from rstar_pipelines.problems import (
     NO_HELDOUT_CHECK,
     ProblemFreeSource,
+    VerifiedProblem,
     groups_of,
     heldout_texts,
     no_heldout_check,
@@ -261,14 +262,7 @@ class AttnGateEvaluation(Stage):
         if not rows:
             raise StageInputError("attn_gate_checkpoint has no row: train the gates first")
         gates_path, base = rows[-1]["path"], rows[-1]["base_model"]
-        texts = problem_texts(inputs, p.heldout, heldout=True, seed_solutions=True)[: p.max_texts]
-        math = [q for q in verified_problems(inputs, "math") if p.heldout.is_heldout(q.group)]
-        math = math[: p.max_problems]
-        if not texts and not math:
-            raise StageInputError(
-                "attn_gate_eval: the held-out split has no text (verified solution or code seed "
-                "with an oracle solution) and no verified math problem to decode"
-            )
+        texts, math = self._heldout(inputs)
         loaded: list[tuple[Any, Any, Any]] = []
         # The weights the base model decodes with everywhere else (int4 for the embedded model
         # on a CPU), named as the backend names its completions (with its revision, so that
@@ -309,29 +303,23 @@ class AttnGateEvaluation(Stage):
                 "quantization": quantization,
                 "texts": len(texts),
                 "math_problems": len(math),
-                "comparison": markdown_table(
-                    [
-                        "setting",
-                        "decode steps",
-                        "KL(dense ‖ sparse)",
-                        "top-1 agreement",
-                        "answer accuracy",
-                        "answers as dense",
-                    ],
-                    [
-                        [
-                            r["setting"],
-                            r["decode_steps"],
-                            _fmt(r["kl"], 4),
-                            _fmt(r["top1_agreement"], 3),
-                            _fmt(r["answer_accuracy"], 3),
-                            _fmt(r["answer_agreement_with_dense"], 3),
-                        ]
-                        for r in table
-                    ],
-                ),
+                "comparison": _comparison(table),
             },
         )
+
+    def _heldout(self, inputs: dict[str, pa.Table]) -> tuple[list[dict], list[VerifiedProblem]]:
+        """The held-out texts decoded under teacher forcing and the held-out math problems
+        answered; an error when there is neither."""
+        p = self.params
+        texts = problem_texts(inputs, p.heldout, heldout=True, seed_solutions=True)[: p.max_texts]
+        math = [q for q in verified_problems(inputs, "math") if p.heldout.is_heldout(q.group)]
+        math = math[: p.max_problems]
+        if not texts and not math:
+            raise StageInputError(
+                "attn_gate_eval: the held-out split has no text (verified solution or code seed "
+                "with an oracle solution) and no verified math problem to decode"
+            )
+        return texts, math
 
     def _decode_text(self, loaded: tuple[Any, Any, Any], text: dict[str, Any]) -> dict[str, Any]:
         import torch
@@ -409,6 +397,31 @@ def _gate_rows(p, texts, text_items, math, answer_items, gates_path, base) -> li
             }
         )
     return rows
+
+
+def _comparison(rows: list[dict]) -> str:
+    """The settings side by side: decode steps, divergence from dense and answer accuracy."""
+    return markdown_table(
+        [
+            "setting",
+            "decode steps",
+            "KL(dense ‖ sparse)",
+            "top-1 agreement",
+            "answer accuracy",
+            "answers as dense",
+        ],
+        [
+            [
+                r["setting"],
+                r["decode_steps"],
+                _fmt(r["kl"], 4),
+                _fmt(r["top1_agreement"], 3),
+                _fmt(r["answer_accuracy"], 3),
+                _fmt(r["answer_agreement_with_dense"], 3),
+            ]
+            for r in rows
+        ],
+    )
 
 
 def _weighted(decoded: list[list[dict]], index: int, key: str) -> float | None:
