@@ -7,6 +7,9 @@ extract). The verifying stages are in verification_stages.py.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 from pydantic import Field
@@ -66,48 +69,13 @@ class ProblemSynthesis(Stage):
         ]
         llm = StageLLM(self, ctx)
         completions = llm.complete(prompts, self.params.sampling, ctx.cache)
-
+        made = synthesized(seeds, sources, completions)
         rows = [{**s, "is_seed": True, "seed_id": s["id"], "model": None} for s in seeds]
-        seen = {normalized_text_hash(s["problem"]) for s in seeds}
-        failures: Counter[str] = Counter()
-        yields = []
-        for seed, outs in zip(sources, completions, strict=True):
-            kept = 0
-            for out in outs:
-                parsed = (
-                    parse_synthesized_code(out["text"])
-                    if seed["domain"] == "code"
-                    else parse_synthesized_math(out["text"], seed["problem"])
-                )
-                if isinstance(parsed, ParseFailure):
-                    failures[parsed.reason] += 1
-                    continue
-                text_hash = normalized_text_hash(parsed.problem)
-                if text_hash in seen:
-                    failures["near-duplicate"] += 1
-                    continue
-                seen.add(text_hash)
-                kept += 1
-                examples = [{"stdin": i, "stdout": o} for i, o in parsed.examples]
-                rows.append(
-                    {
-                        "id": problem_id(seed["domain"], parsed.problem, None, []),
-                        "batch": ctx.partition_key,
-                        "domain": seed["domain"],
-                        "problem": parsed.problem,
-                        "answer": None,
-                        "oracle_solutions": [],
-                        "examples": examples,
-                        "time_limit_s": seed["time_limit_s"],
-                        "is_seed": False,
-                        "seed_id": seed["id"],
-                        "model": llm.name,
-                    }
-                )
-            yields.append([seed["id"], seed["domain"], len(outs), kept])
+        rows += [{**r, "batch": ctx.partition_key, "model": llm.name} for r in made.rows]
         asked = sum(len(o) for o in completions)
-        made = len(rows) - len(seeds)
-        ctx.log.info("synthesized %d of %d completions; dropped: %s", made, asked, dict(failures))
+        ctx.log.info(
+            "synthesized %d of %d completions; dropped: %s", len(made.rows), asked, made.failures
+        )
         return StageResult(
             table=pa.Table.from_pylist(
                 [{f: r.get(f) for f in self.schema.names} for r in rows], schema=self.schema
@@ -115,12 +83,66 @@ class ProblemSynthesis(Stage):
             metadata={
                 "seed_problems": len(seeds),
                 "completions": asked,
-                "synthesized": made,
-                "yield": made / asked if asked else 0.0,
-                "dropped": dict(failures),
-                "yield_per_seed": markdown_table(["seed", "domain", "completions", "kept"], yields),
+                "synthesized": len(made.rows),
+                "yield": len(made.rows) / asked if asked else 0.0,
+                "dropped": made.failures,
+                "yield_per_seed": markdown_table(
+                    ["seed", "domain", "completions", "kept"], made.yields
+                ),
             },
         )
+
+
+@dataclass
+class Synthesized:
+    """The problems parsed from the synthesizer's completions (without batch and model), the
+    reasons completions were dropped, and per seed [id, domain, completions, kept]."""
+
+    rows: list[dict]
+    failures: dict[str, int]
+    yields: list[list]
+
+
+def synthesized(
+    seeds: list[dict], sources: list[dict], completions: list[list[dict]]
+) -> Synthesized:
+    """The new problems of each source seed's completions: parsed, and kept only when their
+    normalized text is new among the seeds and the problems kept before them."""
+    seen = {normalized_text_hash(s["problem"]) for s in seeds}
+    failures: Counter[str] = Counter()
+    rows, yields = [], []
+    for seed, outs in zip(sources, completions, strict=True):
+        kept = 0
+        for out in outs:
+            parsed = (
+                parse_synthesized_code(out["text"])
+                if seed["domain"] == "code"
+                else parse_synthesized_math(out["text"], seed["problem"])
+            )
+            if isinstance(parsed, ParseFailure):
+                failures[parsed.reason] += 1
+                continue
+            text_hash = normalized_text_hash(parsed.problem)
+            if text_hash in seen:
+                failures["near-duplicate"] += 1
+                continue
+            seen.add(text_hash)
+            kept += 1
+            rows.append(
+                {
+                    "id": problem_id(seed["domain"], parsed.problem, None, []),
+                    "domain": seed["domain"],
+                    "problem": parsed.problem,
+                    "answer": None,
+                    "oracle_solutions": [],
+                    "examples": [{"stdin": i, "stdout": o} for i, o in parsed.examples],
+                    "time_limit_s": seed["time_limit_s"],
+                    "is_seed": False,
+                    "seed_id": seed["id"],
+                }
+            )
+        yields.append([seed["id"], seed["domain"], len(outs), kept])
+    return Synthesized(rows, dict(failures), yields)
 
 
 # -- test_inputs --------------------------------------------------------------------------
@@ -160,47 +182,8 @@ class TestInputGeneration(Stage):
             return fingerprint(text, examples, p.target, p.timeout_s, p.memory_mb)
 
         def compute(batch: list[tuple[dict, str]]) -> list[dict]:
-            results = []
-            for problem, text in batch:
-                program = parse_input_program(text)
-                examples = [e["stdin"] for e in problem["examples"]]
-                if program.error:
-                    results.append(
-                        {
-                            "inputs": examples,
-                            "generated": 0,
-                            "valid": 0,
-                            "kept": len(examples),
-                            "largest_ok_scale": [],
-                            "generator": None,
-                            "parse_error": program.error,
-                            "errors": [],
-                        }
-                    )
-                    continue
-                gen = generate_inputs(
-                    program,
-                    ctx.resource("sandbox").get(),  # started only when an item is not cached
-                    examples=examples,
-                    target=p.target,
-                    timeout_s=p.timeout_s,
-                    memory_mb=p.memory_mb,
-                    seed=0,
-                )
-                scale = [{"name": k, "value": v} for k, v in (gen.largest_ok_scale or {}).items()]
-                results.append(
-                    {
-                        "inputs": gen.inputs,
-                        "generated": gen.generated,
-                        "valid": gen.valid,
-                        "kept": gen.kept,
-                        "largest_ok_scale": scale,
-                        "generator": program.source,
-                        "parse_error": None,
-                        "errors": [f"{e.scale}: {e.status}: {e.message}" for e in gen.errors],
-                    }
-                )
-            return results
+            # The sandbox is started only when an item is not cached.
+            return [test_inputs(prob, text, ctx.resource("sandbox").get, p) for prob, text in batch]
 
         items = [(prob, outs[0]["text"]) for prob, outs in zip(problems, completions, strict=True)]
         generated = ctx.cache.map(items, key, compute, chunk=1)
@@ -228,6 +211,46 @@ class TestInputGeneration(Stage):
                 ),
             },
         )
+
+
+def test_inputs(problem: dict, text: str, sandbox: Callable[[], Any], p: TestInputParams) -> dict:
+    """What one problem's input program (the model's completion `text`) yields: the kept inputs
+    and the figures of its runs; the problem's examples alone when the program does not parse.
+    `sandbox()` gives the sandbox that runs it."""
+    program = parse_input_program(text)
+    examples = [e["stdin"] for e in problem["examples"]]
+    if program.error:
+        return {
+            "inputs": examples,
+            "generated": 0,
+            "valid": 0,
+            "kept": len(examples),
+            "largest_ok_scale": [],
+            "generator": None,
+            "parse_error": program.error,
+            "errors": [],
+        }
+    gen = generate_inputs(
+        program,
+        sandbox(),
+        examples=examples,
+        target=p.target,
+        timeout_s=p.timeout_s,
+        memory_mb=p.memory_mb,
+        seed=0,
+    )
+    return {
+        "inputs": gen.inputs,
+        "generated": gen.generated,
+        "valid": gen.valid,
+        "kept": gen.kept,
+        "largest_ok_scale": [
+            {"name": k, "value": v} for k, v in (gen.largest_ok_scale or {}).items()
+        ],
+        "generator": program.source,
+        "parse_error": None,
+        "errors": [f"{e.scale}: {e.status}: {e.message}" for e in gen.errors],
+    }
 
 
 # -- candidate_solutions ------------------------------------------------------------------
