@@ -10,6 +10,7 @@ import subprocess
 import time
 
 import dagster as dg
+import pytest
 import yaml
 
 from tests.fakes.repo import DAGSTER, REPO
@@ -55,6 +56,7 @@ def _cached_items(path) -> int:
             return 0
 
 
+@pytest.mark.slow
 def test_killed_run_reuses_finished_items(tmp_path, incoming, isolated_dirs):
     (incoming / "r.jsonl").write_text(
         "\n".join(json.dumps({"problem": p, "answer": "0"}) for p in MATH) + "\n"

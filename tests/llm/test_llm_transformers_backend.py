@@ -124,6 +124,7 @@ def test_same_seed_same_completions(any_llm):
     assert embedded_llm.generate(PROMPTS[:2], params.model_copy(update={"seed": 124})) != first
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_one_by_one(any_fp32_llm):
     # Left padding plus the attention mask leave each row's computation unchanged but for the
     # last bits (SDPA sums a padded row's keys in another order: about 1e-7 in the first layer's
