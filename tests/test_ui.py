@@ -140,7 +140,8 @@ def test_the_ui_after_the_demo(chromium, demo, dagster_dev, tmp_path):
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=str(chromium), args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 3200, "height": 2000})
+        # The lineage view draws only the nodes inside the viewport: room for every group.
+        page = browser.new_page(viewport={"width": 4800, "height": 3000})
         page.set_default_timeout(120_000)
         expect.set_options(timeout=120_000)  # the first page waits for the code location
 
