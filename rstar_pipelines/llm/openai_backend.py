@@ -231,7 +231,7 @@ class OpenAILLM:
         self._servers = [_Server(url) for url in self.base_urls]
         self._model = model
         self._tokenizer: Any = None
-        self._tokenizer_looked_up = False
+        self._tokenizer_lookup: asyncio.Task | None = None
         self.name = f"openai:{','.join(self.base_urls)}" + (f":{model}" if model else "")
         self._queue: deque[_Job] = deque()
         self._start_lock = threading.Lock()
@@ -368,10 +368,11 @@ class OpenAILLM:
         waits = [s.ready_at - now for s in self._servers if s.ready_at > now]
         return min(waits) if waits and self._queue else None
 
-    def _start(self, coroutine: Any) -> None:
+    def _start(self, coroutine: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)  # the loop keeps only weak references to its tasks
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def _size(self, server: _Server, job: _Job) -> int:
         """How many of the job's samples go in one request to `server`: all where it honours
@@ -429,6 +430,8 @@ class OpenAILLM:
         entry = next((m for m in listed if m.get("id") == self._model), fallback)
         server.vllm = entry.get("owned_by") == "vllm"
         server.honours_n = True if server.vllm else self.n_per_request
+        if not server.vllm:  # before it answers: its choices may come without token ids
+            await self._look_up_tokenizer()
         server.load_path = await self._load_path(server)
         reports_load = server.load_path is not None
         server.window = AdaptiveWindow(cap=self.max_concurrency, reports_load=reports_load)
@@ -437,9 +440,13 @@ class OpenAILLM:
         server.failures = 0
         server.probing = False
         self._wake.set()
-        if not server.vllm and not self._tokenizer_looked_up:
-            self._tokenizer_looked_up = True
-            self._tokenizer = await asyncio.to_thread(_local_tokenizer, self._model)
+
+    async def _look_up_tokenizer(self) -> None:
+        """The served model's tokenizer where it is on this machine, looked up once per client
+        (the servers probed meanwhile wait for the same lookup)."""
+        if self._tokenizer_lookup is None:
+            self._tokenizer_lookup = self._start(asyncio.to_thread(_local_tokenizer, self._model))
+        self._tokenizer = await asyncio.shield(self._tokenizer_lookup)
 
     async def _load_path(self, server: _Server) -> str | None:
         """Where the server reports its load: `/metrics` with gauges this client reads, else

@@ -1,5 +1,6 @@
 """OpenAI-compatible servers on loopback: one whose answers are a function of the request, and
-one whose model is a scripted function of the prompt."""
+one whose model is a scripted function of the prompt; and a served model's tokenizer built
+offline."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 Answer = Callable[[str, str, dict], tuple]
 
@@ -107,3 +109,17 @@ class ScriptedOpenAIServer(CannedServer):
         generated = sum(len(c["token_ids"]) for c in choices)
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": generated}
         return 200, {"choices": choices, "usage": {**usage, "total_tokens": sum(usage.values())}}
+
+
+def word_tokenizer(dest: Path) -> Path:
+    """A served model's tokenizer as a Hugging Face directory at `dest`, built offline with the
+    `tokenizers` library: each word and each punctuation mark one token (all unknown but the
+    end-of-sequence token). Returns `dest`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>")
+    fast.save_pretrained(dest)
+    return dest

@@ -16,7 +16,7 @@ import pytest
 from rstar_pipelines.llm import LLM, SamplingParams, load_llm
 from rstar_pipelines.llm.openai_backend import LLMServerError, parse_base_urls, retry_after_s
 from rstar_pipelines.llm.types import AsyncLLM, stream
-from tests.fakes.openai_server import CannedServer
+from tests.fakes.openai_server import CannedServer, word_tokenizer
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -234,6 +234,31 @@ def test_usage_split_across_choices_is_flagged_as_an_estimate():
         [[a, b]] = llm.generate(["p"], params)
     assert (a.completion_tokens, b.completion_tokens) == (1, 2)
     assert not a.tokens_estimated and not b.tokens_estimated
+
+
+def test_choices_without_token_ids_are_counted_by_the_served_models_tokenizer(tmp_path):
+    """The served model is a directory on this machine: its tokenizer counts each choice (text,
+    stop string and end of sequence), no estimate; a model it cannot find is split from usage."""
+    model = str(word_tokenizer(tmp_path / "served"))
+    texts = ["one two, three", "four five END"]
+
+    def answer(method, path, body):  # sample i (seeded seed + i) says texts[i]
+        asked = texts[body["seed"] : body["seed"] + body.get("n", 1)]
+        choices = [{"index": i, "text": t, "finish_reason": "stop"} for i, t in enumerate(asked)]
+        return 200, {"choices": choices, "usage": {"prompt_tokens": 1, "completion_tokens": 99}}
+
+    params = SamplingParams(n=2, temperature=0.8, max_tokens=8, seed=0, stop=["END"])
+    with CannedServer(answer, models=(model,)) as (url, _):
+        with closing(load_llm("openai", base_url=url)) as llm:
+            [completions] = llm.generate(["p"], params)
+        with closing(load_llm("openai", model="not/on-this-machine", base_url=url)) as llm:
+            [estimated] = llm.generate(["p"], params)
+    # words, the comma and the end of sequence; words and the stop string the second ended on
+    assert [c.completion_tokens for c in completions] == [5, 3]
+    assert [c.finish_reason for c in completions] == ["eos", "stop"]
+    assert not any(c.tokens_estimated for c in completions)
+    assert sum(c.completion_tokens for c in estimated) == 99
+    assert all(c.tokens_estimated for c in estimated)
 
 
 def test_retry_after_is_honoured():
