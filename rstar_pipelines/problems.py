@@ -296,14 +296,21 @@ def _group_figures(table: list[dict]) -> dict:
 
 
 def heldout_problems(
-    inputs: dict[str, pa.Table], split: HeldoutSplit, max_problems: int | None, stage: str
+    inputs: dict[str, pa.Table],
+    split: HeldoutSplit,
+    max_problems: int | None,
+    stage: str,
+    domain: str | None = None,
 ) -> list[VerifiedProblem]:
-    """The verified problems (math and code) of the held-out split, at most `max_problems` of
-    each domain, for the evaluation `stage`; an error naming it when there are none."""
-    found = first_of_each_domain(on_side(verified_problems(inputs), split, True), max_problems)
+    """The verified problems (of one domain, or math and code) of the held-out split, at most
+    `max_problems` of each domain, for the evaluation `stage`; an error naming it when there
+    are none."""
+    verified = verified_problems(inputs, domain)
+    found = first_of_each_domain(on_side(verified, split, True), max_problems)
     if not found:
+        which = f"{domain} problem" if domain else "problem"
         raise StageInputError(
-            f"{stage}: no verified problem of verified_outputs falls in the held-out split "
+            f"{stage}: no verified {which} of verified_outputs falls in the held-out split "
             f"(heldout.fraction={split.fraction}, salt {split.salt!r}): verify more "
             f"problems or raise heldout.fraction in pipeline.yaml"
         )

@@ -17,15 +17,11 @@ from rstar_pipelines.math.evaluation import (
     greedy_config,
     top_answers_vote,
 )
-from rstar_pipelines.math.search_stages import (
-    SearchStage,
-    SearchStageParams,
-    search_problems,
-    search_trees,
-)
+from rstar_pipelines.math.search_stages import SearchStage, SearchStageParams, search_trees
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.plots import markdown_table
-from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageInputError, StageResult
+from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageResult
+from rstar_pipelines.problems import evaluated_row, heldout_problems
 from rstar_pipelines.storage import schemas
 
 NO_PPM = (
@@ -62,66 +58,23 @@ class MCTSEvaluation(SearchStage):
 
     def run(self, ctx: StageContext, inputs: dict[str, pa.Table]) -> StageResult:
         p = self.params
-        problems = search_problems(inputs, p, heldout=True)
-        if not problems:
-            raise StageInputError(
-                f"mcts_eval: no verified math problem of verified_outputs falls in the held-out "
-                f"split (heldout.fraction={p.heldout.fraction}, salt {p.heldout.salt!r}): "
-                f"verify more problems or raise heldout.fraction in pipeline.yaml"
-            )
+        problems = heldout_problems(inputs, p.heldout, p.max_problems, "mcts_eval", "math")
         policy = checkpoint_path(inputs, "policy_checkpoint")
         guided = CheckpointModels(self, ctx, policy, checkpoint_path(inputs, "ppm_checkpoint"))
         plain = CheckpointModels(self, ctx, policy, None)
-        with_ppm = guided.ppm_path is not None
         greedy = search_trees(self, ctx, problems, plain, greedy_config(p.search), gold=False)
         searched = search_trees(self, ctx, problems, guided, p.search, gold=False)
-        rows = []
-        for i, problem in enumerate(problems):
-            g, s = greedy.trees[i], searched.trees[i]
-            answers = {
-                "greedy": best_q_answer(g),  # its only answer: one sample, one path
-                "best_q": best_q_answer(s) if with_ppm else None,
-                "majority": top_answers_vote(s, p.top_answers) if with_ppm else all_answers_vote(s),
+        rows = [
+            {
+                **evaluated_row(problem, p.round),
+                **self._answers(problem, greedy.trees[i], searched.trees[i], guided),
+                "greedy_seconds": greedy.seconds[i],
+                "search_seconds": searched.seconds[i],
+                "policy": guided.policy_name,
+                "ppm": guided.ppm_path,
             }
-            found = [n.final_answer for n in s.answers() if n.final_answer]
-            rows.append(
-                {
-                    "problem_id": problem.id,
-                    "seed_id": problem.seed_id,
-                    "batch": problem.batch,
-                    "round": p.round,
-                    "gold_answer": problem.answer,
-                    **{f"{k}_answer": v for k, v in answers.items()},
-                    "greedy_correct": _correct(answers["greedy"], problem.answer),
-                    "best_q_correct": (
-                        _correct(answers["best_q"], problem.answer) if with_ppm else None
-                    ),
-                    "majority_correct": _correct(answers["majority"], problem.answer),
-                    "search_any_correct": any(equivalent(a, problem.answer) for a in found),
-                    "search_answers": len(found),
-                    "answers_valued_by_ppm": sum(1 for n in s.answers() if n.value is not None),
-                    "search_nodes": s.nodes.num_rows,
-                    "greedy_tokens": g.completion_tokens,
-                    "search_tokens": s.completion_tokens,
-                    "greedy_seconds": greedy.seconds[i],
-                    "search_seconds": searched.seconds[i],
-                    "policy": guided.policy_name,
-                    "ppm": guided.ppm_path,
-                }
-            )
-        accuracy = {
-            k: _mean([r[f"{k}_correct"] for r in rows]) for k in ("greedy", "best_q", "majority")
-        }
-        any_correct = _mean([r["search_any_correct"] for r in rows])
-        cost = {
-            k: [_mean([r[f"{k}_{figure}"] for r in rows]) for figure in ("tokens", "seconds")]
-            for k in ("greedy", "search")
-        }
-        vote = f"majority of top {p.top_answers}" if with_ppm else "majority of all answers"
-        methods = [("greedy decoding", "greedy", cost["greedy"])]
-        if with_ppm:
-            methods.append(("PPM-guided search, best Q", "best_q", cost["search"]))
-        methods.append((f"search, {vote}", "majority", cost["search"]))
+            for i, problem in enumerate(problems)
+        ]
         return StageResult(
             table=pa.Table.from_pylist(rows, schema=self.schema),
             metadata={
@@ -130,18 +83,65 @@ class MCTSEvaluation(SearchStage):
                 "ppm": guided.ppm_path or NO_PPM,
                 "gold_answer_in_search": False,
                 "answers_valued_by_ppm": sum(r["answers_valued_by_ppm"] for r in rows),
-                **{f"accuracy_{k}": v for k, v in accuracy.items() if v is not None},
-                "oracle_search_any_correct": Markdown(
-                    f"{any_correct:.3f}: the share of problems where any answer the search "
-                    f"found is right. An oracle, not a method: it reads the gold answer."
-                ),
-                "comparison": markdown_table(
-                    ["method", "accuracy", "problems", "tokens/problem", "seconds/problem"],
-                    [
-                        [name, f"{accuracy[k]:.3f}", len(rows), f"{tok:.0f}", f"{sec:.2f}"]
-                        for name, k, (tok, sec) in methods
-                    ],
-                ),
+                **self._summary(rows, with_ppm=guided.ppm_path is not None),
                 **{f"search_{k}": v for k, v in searched.stats.items()},
             },
         )
+
+    def _answers(self, problem, greedy, searched, guided: CheckpointModels) -> dict:
+        """One problem's picks, each scored against the gold answer, and what each tree cost."""
+        with_ppm = guided.ppm_path is not None
+        answers = {
+            "greedy": best_q_answer(greedy),  # its only answer: one sample, one path
+            "best_q": best_q_answer(searched) if with_ppm else None,
+            "majority": (
+                top_answers_vote(searched, self.params.top_answers)
+                if with_ppm
+                else all_answers_vote(searched)
+            ),
+        }
+        found = [n.final_answer for n in searched.answers() if n.final_answer]
+        return {
+            **{f"{k}_answer": v for k, v in answers.items()},
+            "greedy_correct": _correct(answers["greedy"], problem.answer),
+            "best_q_correct": _correct(answers["best_q"], problem.answer) if with_ppm else None,
+            "majority_correct": _correct(answers["majority"], problem.answer),
+            "search_any_correct": any(equivalent(a, problem.answer) for a in found),
+            "search_answers": len(found),
+            "answers_valued_by_ppm": sum(1 for n in searched.answers() if n.value is not None),
+            "search_nodes": searched.nodes.num_rows,
+            "greedy_tokens": greedy.completion_tokens,
+            "search_tokens": searched.completion_tokens,
+        }
+
+    def _summary(self, rows: list[dict], with_ppm: bool) -> dict:
+        """Each method's accuracy and cost over the problems, and the search's oracle apart."""
+        accuracy = {
+            k: _mean([r[f"{k}_correct"] for r in rows]) for k in ("greedy", "best_q", "majority")
+        }
+        any_correct = _mean([r["search_any_correct"] for r in rows])
+        cost = {
+            k: [_mean([r[f"{k}_{figure}"] for r in rows]) for figure in ("tokens", "seconds")]
+            for k in ("greedy", "search")
+        }
+        vote = (
+            f"majority of top {self.params.top_answers}" if with_ppm else "majority of all answers"
+        )
+        methods = [("greedy decoding", "greedy", cost["greedy"])]
+        if with_ppm:
+            methods.append(("PPM-guided search, best Q", "best_q", cost["search"]))
+        methods.append((f"search, {vote}", "majority", cost["search"]))
+        return {
+            **{f"accuracy_{k}": v for k, v in accuracy.items() if v is not None},
+            "oracle_search_any_correct": Markdown(
+                f"{any_correct:.3f}: the share of problems where any answer the search "
+                f"found is right. An oracle, not a method: it reads the gold answer."
+            ),
+            "comparison": markdown_table(
+                ["method", "accuracy", "problems", "tokens/problem", "seconds/problem"],
+                [
+                    [name, f"{accuracy[k]:.3f}", len(rows), f"{tok:.0f}", f"{sec:.2f}"]
+                    for name, k, (tok, sec) in methods
+                ],
+            ),
+        }
