@@ -46,6 +46,7 @@ from rstar_pipelines.pipeline.statistics import (
     verdict,
     wilson,
 )
+from rstar_pipelines.pipeline.streamed import Finished, map_problems
 from rstar_pipelines.problems import verified_problems
 from rstar_pipelines.storage import schemas
 
@@ -200,20 +201,17 @@ class EvaluationComparison(Stage):
         def key(problem: DSERProblem) -> str:
             return fingerprint(models.policy_name, sampling.model_dump(mode="json"), solve(problem))
 
-        def compute(todo: list[DSERProblem], done: Callable[[int, dict], None]) -> None:
+        def sample(todo: list[DSERProblem], finished: Finished) -> None:
             llm = models.policy()
             prompts = [[{"role": "user", "content": solve(q)}] for q in todo]
             window = Window(len(todo))  # every prompt at once: the backend decides the rest
             window.start()
             for j, completions in stream(llm, prompts, sampling):
-                item = {
-                    "texts": [c.text for c in completions],
-                    "tokens": sum(c.completion_tokens for c in completions),
-                    "seconds": window.end(j),
-                }
-                done(j, item)
+                texts = [c.text for c in completions]
+                tokens = sum(c.completion_tokens for c in completions)
+                finished(j, {"texts": texts, "tokens": tokens}, window.end(j))
 
-        stored = ctx.cache.map_streamed(problems, key, compute)
+        stored = map_problems(ctx, problems, key, sample, f"sampled {sampling.n} answers to")
         judge = Judge()
         outcomes = []
         for (_, question, row), sampled in zip(shared, stored, strict=True):
