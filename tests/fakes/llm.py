@@ -112,6 +112,20 @@ class ScriptedLLM:
         )
 
 
+def fleet_answer(
+    llm: ScriptedLLM, asked: Counter[str], prompt: Prompt, params: SamplingParams
+) -> tuple[list[Completion], int]:
+    """What a fleet of servers answers `prompt` with, and its place: asked one sample at a time
+    (n=1), the k-th ask (counted in `asked`) gets the k-th of its scripted completions
+    (cycled) and k; asked for more, all of them and the last one's place."""
+    result = llm.completions(prompt, params)
+    if params.n != 1:
+        return result, len(result) - 1
+    k = asked[str(prompt)] % len(result)
+    asked[str(prompt)] += 1
+    return [result[k]], k
+
+
 class StreamingLLM:
     """A scripted LLM as a fleet of servers answers it (an `AsyncLLM`): a future per prompt.
     Asked one sample at a time (n=1), the k-th ask for a prompt gets the k-th of its scripted
@@ -131,15 +145,10 @@ class StreamingLLM:
     ) -> list[Future[list[Completion]]]:
         futures = []
         for prompt in prompts:
-            result = self.llm.completions(prompt, params)
-            delay = self.delay_s * (len(result) - 1)
-            if params.n == 1:
-                k = self.asked[str(prompt)] % len(result)
-                self.asked[str(prompt)] += 1
-                result, delay = [result[k]], self.delay_s * k
+            result, k = fleet_answer(self.llm, self.asked, prompt, params)
             future: Future = Future()
             threading.Timer(
-                delay, lambda f=future, r=result: f.cancelled() or f.set_result(r)
+                self.delay_s * k, lambda f=future, r=result: f.cancelled() or f.set_result(r)
             ).start()
             futures.append(future)
         return futures
@@ -170,10 +179,7 @@ class ArrivingLLM:
     ) -> list[Future[list[Completion]]]:
         futures = []
         for prompt in prompts:
-            result = self.llm.completions(prompt, params)
-            if params.n == 1:
-                result = [result[self.asked[prompt]]]
-                self.asked[prompt] += 1
+            result, _ = fleet_answer(self.llm, self.asked, prompt, params)
             future: Future = Future()
             self.coming[future] = result
             self.samples.setdefault(prompt, []).append(future)
