@@ -17,7 +17,9 @@ time (`Window`), so that a stage commits each root's result as soon as it is in.
 How they are scheduled depends on the LLM:
 - one that takes prompts one by one (`AsyncLLM`: the openai backend over a fleet of servers):
   nothing waits for anything else; a coroutine resumes as soon as its own answer is in, and
-  its next Ask goes out at once, with its own max_tokens;
+  its next Ask goes out at once, with its own max_tokens. The next root starts whenever the
+  fleet has room (`types.spare_capacity`), so the client holds no more than the fleet runs;
+  where the LLM reports no spare capacity, every root starts at once;
 - one that only has `generate` (an in-process model, which runs one batch at a time anyway): in
   rounds, every coroutine advanced, then every Ask of the round submitted (stretched Asks in
   one batch at the largest max_tokens), every lane run, and all of it awaited. Which prompts
@@ -34,7 +36,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
-from .types import LLM, AsyncLLM, Prompt, SamplingParams, submit
+from .types import LLM, AsyncLLM, Prompt, SamplingParams, spare_capacity, submit
 
 
 @dataclass(frozen=True)
@@ -78,11 +80,17 @@ class Window:
     def running(self) -> int:
         return len(self._running)
 
-    def start(self) -> list[int]:
-        """The items to start now, in order: as many as the window has room for."""
+    @property
+    def has_room(self) -> bool:
+        """Whether an item is left to start and the window has room for it."""
+        return self._next < self.count and len(self._running) < self.size
+
+    def start(self, at_most: int | None = None) -> list[int]:
+        """The items to start now, in order: as many as the window has room for, at most
+        `at_most` (None: no limit)."""
         self._advance()
         started = []
-        while self._next < self.count and len(self._running) < self.size:
+        while self.has_room and (at_most is None or len(started) < at_most):
             self._running[self._next] = self._clock
             started.append(self._next)
             self._next += 1
@@ -105,10 +113,14 @@ def run_coroutines(
     coroutines: Sequence[Coroutine],
     lanes: dict[str, Callable[[list[Any]], list[Any]]] | None = None,
     on_done: Callable[[int, float], None] | None = None,
+    window: int | None = None,
 ) -> None:
     """Run every coroutine to its end (see the module docstring); `on_done(i, seconds)` as soon
-    as root `i` and its forks have ended, called from this thread."""
-    _Scheduler(llm, lanes or {}, on_done).run(coroutines)
+    as root `i` and its forks have ended, called from this thread. Roots start as the LLM has
+    room for them: over a fleet that reports its spare capacity (`types.spare_capacity`), the
+    next root whenever its windows have room; else every root at once. At most `window` roots
+    run at once where it is given."""
+    _Scheduler(llm, lanes or {}, on_done, window).run(coroutines)
 
 
 class _Scheduler:
@@ -117,8 +129,9 @@ class _Scheduler:
         llm: LLM,
         lanes: dict[str, Callable[[list[Any]], list[Any]]],
         on_done: Callable[[int, float], None] | None = None,
+        most_open: int | None = None,
     ):
-        self.llm, self.lanes, self.on_done = llm, lanes, on_done
+        self.llm, self.lanes, self.on_done, self.most_open = llm, lanes, on_done, most_open
         self.streamed = isinstance(llm, AsyncLLM)
         self.root: dict[Coroutine, int] = {}  # every live coroutine's root
         self.alive: dict[int, int] = {}  # root -> its live coroutines
@@ -130,14 +143,11 @@ class _Scheduler:
         self.waiting: dict[Future, tuple[str | None, list[tuple[Coroutine, Sequence[Any]]]]] = {}
 
     def run(self, coroutines: Sequence[Coroutine]) -> None:
-        self.window = Window(len(coroutines))
-        for i in self.window.start():
-            self.root[coroutines[i]] = i
-            self.alive[i] = 1
-        self.ready.extend((c, None) for c in coroutines)
+        self.window = Window(len(coroutines), self.most_open)
         with ThreadPoolExecutor(max_workers=max(1, len(self.lanes))) as pool:
             try:
-                while self.ready or self.waiting:
+                while True:
+                    self._open(coroutines)
                     self._advance()
                     self._submit_asks()
                     busy = {lane for lane, _ in self.waiting.values() if lane is not None}
@@ -145,6 +155,8 @@ class _Scheduler:
                         entries = self.batches.pop(lane)
                         items = [item for _, group in entries for item in group]
                         self.waiting[pool.submit(self.lanes[lane], items)] = (lane, entries)
+                    if self.window.has_room and self._to_open() != 0:
+                        continue  # the fleet has room for another root
                     if not self.waiting:
                         break
                     if self.streamed:
@@ -157,6 +169,21 @@ class _Scheduler:
             finally:
                 for future in self.waiting:
                     future.cancel()
+
+    def _open(self, coroutines: Sequence[Coroutine]) -> None:
+        for i in self.window.start(self._to_open()):
+            self.root[coroutines[i]] = i
+            self.alive[i] = 1
+            self.ready.append((coroutines[i], None))
+
+    def _to_open(self) -> int | None:
+        """How many more roots to start now (None: as many as the window has room for). Over
+        an `AsyncLLM` that reports its spare capacity (a fleet), one while it has room, or when
+        none is running; in rounds, and over an LLM that reports none, every root at once."""
+        spare = spare_capacity(self.llm) if self.streamed else None
+        if spare is None:
+            return None
+        return 1 if spare > 0 or self.window.running == 0 else 0
 
     def _advance(self) -> None:
         while self.ready:

@@ -37,7 +37,9 @@ How the fleet is used (docs/llm-serving.md):
   when a request has failed `max_retries + 1` times, or every server has failed that many times
   in a row.
 - `server_stats()` reports, per server: the window, requests, sequences, tokens, tokens/s,
-  retries (the stage metadata's `llm_servers` table).
+  retries (the stage metadata's `llm_servers` table). `spare_capacity()` is the room left in
+  the windows less what waits to be sent: a caller that opens work while it is above 0 (the
+  search opening trees) keeps the fleet full without knowing its size.
 - `submit` returns one future per prompt, resolved as soon as that prompt's samples are in;
   `generate` waits for all of them. Requests run on an asyncio loop (aiohttp) in a thread of
   the client.
@@ -84,7 +86,14 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from .fleet_window import POLL_S, AdaptiveWindow, Load, load_from_metrics, load_from_slots
+from .fleet_window import (
+    POLL_S,
+    START,
+    AdaptiveWindow,
+    Load,
+    load_from_metrics,
+    load_from_slots,
+)
 from .types import Completion, Prompt, SamplingParams, is_chat, truncate_at_stop
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
@@ -192,6 +201,36 @@ class _Job:
     failed_on: set[str] = field(default_factory=set)
 
 
+class _Queue(deque):
+    """The jobs waiting for a server, with the samples they hold (`sequences`), kept as jobs
+    come and go so that `spare_capacity` reads it without walking the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sequences = 0
+
+    def append(self, job: _Job) -> None:
+        super().append(job)
+        self.sequences += len(job.samples)
+
+    def appendleft(self, job: _Job) -> None:
+        super().appendleft(job)
+        self.sequences += len(job.samples)
+
+    def extend(self, jobs: Sequence[_Job]) -> None:
+        for job in jobs:
+            self.append(job)
+
+    def popleft(self) -> _Job:
+        job = super().popleft()
+        self.sequences -= len(job.samples)
+        return job
+
+    def clear(self) -> None:
+        super().clear()
+        self.sequences = 0
+
+
 @dataclass(frozen=True)
 class _Sent:
     """A request on its way: its samples, the window's round and when it went."""
@@ -233,7 +272,9 @@ class OpenAILLM:
         self._tokenizer: Any = None
         self._tokenizer_lookup: asyncio.Task | None = None
         self.name = f"openai:{','.join(self.base_urls)}" + (f":{model}" if model else "")
-        self._queue: deque[_Job] = deque()
+        self._queue = _Queue()
+        self._incoming = 0  # samples submitted and not yet in the queue
+        self._incoming_lock = threading.Lock()
         self._start_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -252,8 +293,25 @@ class OpenAILLM:
     ) -> list[Future[list[Completion]]]:
         owners = [_Prompt(p, params, Future(), [None] * params.n) for p in prompts]
         jobs = [_Job(owner, list(range(params.n))) for owner in owners]
+        with self._incoming_lock:
+            self._incoming += len(prompts) * params.n
         self._running_loop().call_soon_threadsafe(self._enqueue, jobs)
         return [owner.future for owner in owners]
+
+    def spare_capacity(self) -> int:
+        """How many more sequences the fleet would start now: the room left in the windows
+        of the servers that answer (a server not yet asked counts its first window), less the
+        samples submitted and not yet sent. At most 0 when the windows are full; a caller that
+        opens work while it is above 0 keeps each server's window full, so the windows go on
+        growing to what the servers run (fleet_window)."""
+        room = 0
+        for server in self._servers:
+            window = server.window
+            if server.failures:
+                continue  # backing off: its window is one request until it answers
+            limit = START if window is None else window.limit
+            room += max(0, limit - server.in_flight)
+        return room - self._queue.sequences - self._incoming
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         futures = self.submit(prompts, params)
@@ -308,6 +366,8 @@ class OpenAILLM:
 
     def _enqueue(self, jobs: list[_Job]) -> None:
         self._queue.extend(jobs)
+        with self._incoming_lock:
+            self._incoming -= sum(len(job.samples) for job in jobs)
         self._wake.set()
 
     async def _dispatch_forever(self) -> None:

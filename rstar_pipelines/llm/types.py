@@ -100,6 +100,18 @@ def serves_each_request(llm: LLM) -> bool:
     return isinstance(llm, AsyncLLM)
 
 
+def spare_capacity(llm: LLM) -> int | None:
+    """How many more sequences `llm`'s engine would start now beyond what already waits for it
+    (a fleet whose windows are not full: `OpenAILLM.spare_capacity`), looking through wrappers;
+    at most 0 when it has all it can run. None where the LLM reports none: an in-process model
+    runs what it is given a batch at a time, so more work open only fills its batches, and the
+    caller's own bounds (memory, a declared window) decide how much is open."""
+    while hasattr(llm, "wrapped"):
+        llm = llm.wrapped
+    spare = getattr(llm, "spare_capacity", None)
+    return spare() if callable(spare) else None
+
+
 def submit(
     llm: LLM, prompts: Sequence[Prompt], params: SamplingParams
 ) -> list[Future[list[Completion]]]:

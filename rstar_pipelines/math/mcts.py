@@ -19,9 +19,15 @@ comparison). A policy that takes prompts one by one (`AsyncLLM`: the openai back
 fleet of servers) gets each expansion as soon as its tree asks; one that batches
 `generate` calls gets what is pending while its previous call runs. Over such a policy and
 without a PPM, each sample is a request of its own and a rollout walks on as soon as the
-samples that decide its next step are in (TreeSearch: the tree stays the reference's). At
-most `window` trees are open at once, the next started as soon as one ends, and each is
-handed to `on_tree` when it ends (the search stages commit it to the item cache then).
+samples that decide its next step are in (TreeSearch: the tree stays the reference's).
+
+How many trees are open: over a fleet (a policy that reports its spare capacity,
+`llm.types.spare_capacity`) another tree opens whenever the fleet's windows have room, so the
+fleet decides; every tree at once over an in-process policy and in lock-step. Either way at
+most what `memory_mb` holds (`open_trees_bound`: that budget over the most one tree can hold)
+and at most `window` where one is declared. Each tree is handed to `on_tree` when it ends (the
+search stages commit it to the item cache then) and let go, so memory stays bounded whatever
+the number of problems.
 
     trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
     trees[0].nodes  # the node table
@@ -47,6 +53,7 @@ from rstar_pipelines.llm.types import (
     Prompt,
     SamplingParams,
     serves_each_request,
+    spare_capacity,
     submit,
 )
 from rstar_pipelines.math.answers import equivalent
@@ -55,6 +62,7 @@ from rstar_pipelines.math.steps import (
     ANSWER_END,
     BOOTSTRAP_STOPS,
     CODE_END,
+    MAX_OBSERVATION_CHARS,
     NO_VALID_CHILD,
     OUTPUT_END,
     OUTPUT_START,
@@ -150,6 +158,34 @@ class MCTSConfig(BaseModel):
             stop=self.stop,
             seed=seed,
         )
+
+
+# What the open trees may hold, by default (the search stages' `open_trees_memory_mb`).
+OPEN_TREES_MEMORY_MB = 8192
+# A token of a step decodes to about 4 characters (Qwen2.5's tokenizer on English, maths and
+# Python), one byte each in a Python str of such text.
+BYTES_PER_TOKEN = 4
+# A node's object, its dict and its numbers; a prompt in flight per expansion.
+NODE_OVERHEAD_BYTES = 1024
+
+
+def tree_bytes(config: MCTSConfig) -> int:
+    """The most one tree of `config` holds while it is open: every expansion of every rollout
+    adding `width` children whose step runs to max_tokens (kept twice: as generated, and with
+    its output) with an observation at its cap, and the prompt of one expansion in flight (the
+    question aside: it is held once for the tree's problem)."""
+    nodes = 1 + config.rollouts * config.max_depth * config.width
+    step = config.max_tokens * BYTES_PER_TOKEN
+    node = 2 * step + 2 * MAX_OBSERVATION_CHARS + NODE_OVERHEAD_BYTES
+    prompt = config.max_depth * (step + MAX_OBSERVATION_CHARS)
+    return nodes * node + config.width * prompt
+
+
+def open_trees_bound(config: MCTSConfig, memory_mb: float) -> int:
+    """How many trees of `config` may be open at once in `memory_mb` (at least one)."""
+    if memory_mb <= 0:
+        raise ValueError(f"the open trees need some memory, got memory_mb={memory_mb}")
+    return max(1, int(memory_mb * 2**20) // tree_bytes(config))
 
 
 @dataclass(frozen=True)
@@ -634,22 +670,42 @@ class MCTSSearch:
         problems: Sequence[Problem],
         window: int | None = None,
         on_tree: Callable[[int, Tree, float], None] | None = None,
+        memory_mb: float = OPEN_TREES_MEMORY_MB,
     ) -> list[Tree]:
-        """One tree per problem. At most `window` trees are open at once (every tree, when
-        None), the next one started as soon as one ends; `on_tree(i, tree, seconds)` is called
+        """One tree per problem, opened as the module docstring says: at most `window` at
+        once where it is given and what `memory_mb` holds (`open_trees_bound`), the next one
+        started when the fleet has room (or one ends). `on_tree(i, tree, seconds)` is called
         from this thread as soon as tree `i` ends, with its share of the wall time (each moment
-        split evenly among the trees open then: llm.coroutines.Window)."""
+        split evenly among the trees open then: llm.coroutines.Window), and the tree is not
+        kept: run then returns []. Without `on_tree`, every tree, in order."""
         from rstar_sandbox import Job
 
         start = time.perf_counter()
-        trees = [Tree(p, Node("0", None, 0)) for p in problems]
-        rules = [
-            TreeSearch(t, self.config, self.prompt, self.ppm is not None, self._early, self.stats)
-            for t in trees
-        ]
-        searches = [r.run() for r in rules]
-        opened = Window(len(trees), window)
-        ready: deque[tuple[int, Any]] = deque((i, None) for i in opened.start())
+        kept: dict[int, Tree] = {}
+        bound = open_trees_bound(self.config, memory_mb)
+        opened = Window(len(problems), min(window or bound, bound))
+        rules: dict[int, TreeSearch] = {}  # the open trees
+        searches: dict[int, _Search] = {}
+        ready: deque[tuple[int, Any]] = deque()
+
+        def open_trees() -> None:
+            for i in opened.start(self._trees_to_open(opened)):
+                tree = Tree(problems[i], Node("0", None, 0))
+                early, ppm = self._early, self.ppm is not None
+                rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
+                searches[i] = rules[i].run()
+                ready.append((i, None))
+
+        def ended(i: int) -> None:
+            tree = rules.pop(i).tree
+            del searches[i]
+            seconds = opened.end(i)
+            if on_tree is None:
+                kept[i] = tree
+            else:
+                on_tree(i, tree, seconds)
+            open_trees()
+
         pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
         in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
         # The interpreter program stops itself at exec_timeout_s (with the reference's
@@ -667,17 +723,15 @@ class MCTSSearch:
         held_since: dict[type, float] = {}
         with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
             try:
-                while ready or in_flight:
+                while True:
                     engine_start = time.perf_counter()
+                    open_trees()
                     while ready:
                         index, reply = ready.popleft()
                         try:
                             request = searches[index].send(reply)
                         except StopIteration:
-                            seconds = opened.end(index)
-                            if on_tree is not None:
-                                on_tree(index, trees[index], seconds)
-                            ready.extend((i, None) for i in opened.start())
+                            ended(index)
                             continue
                         if isinstance(request, _Sample):
                             self.stats.open_trees_at_llm_call.append(opened.running)
@@ -690,14 +744,14 @@ class MCTSSearch:
                         else:
                             pending[type(request)].append((index, request))
                     now = time.perf_counter()
-                    open_trees = opened.running
+                    open_trees_now = opened.running
                     for kind in self._lanes_to_start(
-                        pending, in_flight, open_trees, held_since, now
+                        pending, in_flight, open_trees_now, held_since, now
                     ):
                         batch, pending[kind] = pending[kind], []
                         held_since.pop(kind, None)
                         if kind is _Generate:  # one future per tree: each resumes on its own
-                            self.stats.open_trees_at_llm_call.append(open_trees)
+                            self.stats.open_trees_at_llm_call.append(open_trees_now)
                             futures = self._generate([r for _, r in batch])
                             in_flight.update(
                                 (f, (kind, [entry]))
@@ -707,6 +761,8 @@ class MCTSSearch:
                         future = pool.submit(lanes[kind], [r for _, r in batch])
                         in_flight[future] = (kind, batch)
                     self.stats.engine_s += time.perf_counter() - engine_start
+                    if opened.has_room and self._trees_to_open(opened) != 0:
+                        continue  # the fleet has room for another tree
                     if not in_flight:
                         break
                     deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
@@ -720,10 +776,22 @@ class MCTSSearch:
             finally:  # on an error, withdraw the expansions (and samples) not yet started
                 for future in in_flight:
                     future.cancel()
-                for future in (f for r in rules for u in r.unsettled for f in u.samples):
+                for future in (f for r in rules.values() for u in r.unsettled for f in u.samples):
                     future.cancel()
         self.stats.wall_s += time.perf_counter() - start
-        return trees
+        return [kept[i] for i in range(len(kept))]
+
+    def _trees_to_open(self, opened: Window) -> int | None:
+        """How many more trees to open now (None: as many as the window has room for). Over a
+        policy that reports its spare capacity (a fleet), one while the fleet has room, or
+        when none is open; every tree the window has room for in lock-step (the reference's
+        schedule) and over a policy that reports none (an in-process model)."""
+        if self.config.lockstep:
+            return None
+        spare = spare_capacity(self.policy)
+        if spare is None:
+            return None
+        return 1 if spare > 0 or opened.running == 0 else 0
 
     def _lanes_to_start(
         self, pending: dict, in_flight: dict, open_trees: int, held_since: dict, now: float

@@ -12,7 +12,14 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.heldout import HeldoutSplit
-from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, StepPrompt, Tree
+from rstar_pipelines.math.mcts import (
+    OPEN_TREES_MEMORY_MB,
+    MCTSConfig,
+    MCTSSearch,
+    Problem,
+    StepPrompt,
+    Tree,
+)
 from rstar_pipelines.math.pairs import best_trajectories, preference_pairs, trajectories
 from rstar_pipelines.math.steps import assistant_text
 from rstar_pipelines.math.tree import tree_from_rows
@@ -60,12 +67,19 @@ class SearchStageParams(StageParams):
     search: MCTSConfig = MCTSConfig()
     heldout: HeldoutSplit = HeldoutSplit()  # the file's `heldout:` section, set by the loader
     max_problems: int | None = Field(None, ge=1, description="search at most this many")
-    window: int = Field(
-        256,
+    window: int | None = Field(
+        None,
         ge=1,
-        description="trees searched at once: the next starts as soon as one ends, and each is "
-        "committed to the item cache when it ends (with width w, at most window x w samples "
-        "in flight; 256 x 4 fill one vLLM server's 1024 sequences)",
+        description="at most this many trees open at once, where declared; by default the "
+        "fleet decides: another tree opens whenever its windows have room (every tree at once "
+        "over an in-process model), within open_trees_memory_mb. Each tree is committed to "
+        "the item cache when it ends",
+    )
+    open_trees_memory_mb: float = Field(
+        OPEN_TREES_MEMORY_MB,
+        gt=0,
+        description="memory the open trees may hold: at most this over the most one tree of "
+        "`search` can hold trees are open (mcts.open_trees_bound)",
     )
 
 
@@ -123,7 +137,7 @@ def search_trees(
         def searched(j: int, tree: Tree, seconds: float) -> None:
             finished(j, {"nodes": tree.nodes.to_pylist()}, seconds)
 
-        search.run([problem(p) for p in todo], params.window, searched)
+        search.run([problem(p) for p in todo], params.window, searched, params.open_trees_memory_mb)
         ctx.log.info(f"search figures: {search.stats.as_dict()}")
 
     stored = map_problems(ctx, problems, key, run, "searched the trees of")

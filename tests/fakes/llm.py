@@ -3,6 +3,7 @@ and the `llm` resource over them, answering from scripts so every completion is 
 
 from __future__ import annotations
 
+import random
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -196,6 +197,54 @@ class ArrivingLLM:
             for future in [futures[0], *after[: self.order(len(after) + 1)]]:
                 future.set_result(self.coming.pop(future))
         return wait(futures, timeout, return_when)
+
+
+class CapacityFleet:
+    """A scripted LLM as a fleet of `capacity` slots answers it (an `AsyncLLM` that reports
+    its spare capacity), with `fleet_answer`'s completions; each answer comes after a delay drawn
+    from `seed` (up to `delay_s`), so samples arrive out of order. `spare_capacity()` is the
+    slots less the sequences not yet answered; the test sets `capacity`. A prompt whose script
+    lacks it fails its future (KeyError), as a crashed server would."""
+
+    def __init__(self, llm: ScriptedLLM, capacity: int, delay_s: float = 0.02, seed: int = 0):
+        self.llm, self.capacity, self.delay_s = llm, capacity, delay_s
+        self.name = llm.name
+        self.random = random.Random(seed)
+        self.asked: Counter[str] = Counter()
+        self.outstanding = 0
+        self.lock = threading.Lock()
+
+    def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
+        return [future.result() for future in self.submit(prompts, params)]
+
+    def spare_capacity(self) -> int:
+        with self.lock:
+            return self.capacity - self.outstanding
+
+    def submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams
+    ) -> list[Future[list[Completion]]]:
+        futures = []
+        for prompt in prompts:
+            future: Future = Future()
+            futures.append(future)
+            try:
+                result, _ = fleet_answer(self.llm, self.asked, prompt, params)
+            except KeyError as exc:
+                future.set_exception(exc)
+                continue
+            with self.lock:
+                self.outstanding += params.n
+            threading.Timer(
+                self.random.uniform(0, self.delay_s), self._answer, (future, result, params.n)
+            ).start()
+        return futures
+
+    def _answer(self, future: Future, result: list[Completion], n: int) -> None:
+        with self.lock:
+            self.outstanding -= n
+        if not future.cancelled():
+            future.set_result(result)
 
 
 class EveryOrder:

@@ -227,10 +227,12 @@ def test_a_window_starts_the_next_tree_as_soon_as_one_ends(sandbox):
     problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(3)]
     ended = []
     search = MCTSSearch(policy, sandbox, config, prompt=PROMPT)
-    trees = search.run(problems, window=2, on_tree=lambda i, tree, s: ended.append((i, tree, s)))
+    kept = search.run(problems, window=2, on_tree=lambda i, tree, s: ended.append((i, tree, s)))
+    assert kept == []  # each tree was handed over as it ended, and let go
+    trees = [tree for _, tree, _ in ended]
     assert all(state(t) == state(trees[0]) for t in trees)
     assert sorted(i for i, _, _ in ended[:2]) == [0, 1] and ended[2][0] == 2
-    assert all(tree is trees[i] for i, tree, _ in ended)
+    assert [tree.problem for _, tree, _ in sorted(ended, key=lambda e: e[0])] == problems
     # Two trees at a time, the third started when the first two ended: alone, it has the
     # model to itself.
     assert policy.batches[0] == 2 and max(policy.batches) == 2 and policy.batches[-1] == 1

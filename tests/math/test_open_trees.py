@@ -1,0 +1,71 @@
+"""How many trees the search keeps open over a fleet: as many as the fleet has room for (its
+spare capacity), at most what the memory budget holds, and each tree the lock-step search's
+whatever order its samples arrive in."""
+
+from __future__ import annotations
+
+import pytest
+
+from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, open_trees_bound, search
+from tests.fakes.llm import CapacityFleet
+from tests.fakes.math import PROMPT, SCRIPT, A, B, F, StepPolicy, padded
+from tests.fakes.sandbox import MemoSandbox
+
+CONFIG = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+# Twelve problems, worded apart so each tree has prompts of its own: the golden tree, and one
+# whose root's third sample is the answer (its early walk is undone).
+SCRIPTS = {
+    f"What is 2 + 3? (problem {i})": padded(SCRIPT if i % 2 else {**SCRIPT, "": [A, B, F]}, 3)
+    for i in range(12)
+}
+PROBLEMS = [Problem(f"p{i}", q, "5") for i, q in enumerate(SCRIPTS)]
+
+
+def memory_for(trees: int, config: MCTSConfig = CONFIG) -> float:
+    """A memory budget, in MiB, that holds `trees` open trees of `config` and not one more."""
+    one = open_trees_bound(config, 1024) / 1024  # trees a MiB
+    return (trees + 0.5) / one
+
+
+def fleet_search(sandbox, capacity: int, memory_mb: float, seed: int = 0):
+    """The trees over a fleet of `capacity` slots, and the trees open at each LLM call."""
+    fleet = CapacityFleet(StepPolicy(scripts=SCRIPTS), capacity, delay_s=0.05, seed=seed)
+    searcher = MCTSSearch(fleet, sandbox, CONFIG, prompt=PROMPT)
+    ended = {}
+    searcher.run(
+        PROBLEMS, on_tree=lambda i, tree, s: ended.setdefault(i, tree), memory_mb=memory_mb
+    )
+    return [ended[i] for i in range(len(PROBLEMS))], searcher.stats.open_trees_at_llm_call
+
+
+def test_the_memory_budget_bounds_the_open_trees():
+    assert open_trees_bound(CONFIG, memory_for(3)) == 3
+    bigger = CONFIG.model_copy(update={"max_tokens": 4 * CONFIG.max_tokens})
+    assert open_trees_bound(bigger, memory_for(3)) < 3  # longer steps, fewer trees
+    with pytest.raises(ValueError, match="memory_mb=0"):
+        open_trees_bound(CONFIG, 0)
+
+
+def test_a_partition_beyond_the_bound_gives_the_lockstep_trees(sandbox):
+    lockstep = CONFIG.model_copy(update={"lockstep": True})
+    reference = search(PROBLEMS, StepPolicy(scripts=SCRIPTS), sandbox, lockstep, prompt=PROMPT)
+    for seed in range(3):  # three orders of arrival
+        trees, opened = fleet_search(sandbox, capacity=1000, memory_mb=memory_for(3), seed=seed)
+        assert max(opened) == 3  # the fleet had room for all; memory held three
+        for tree, expected in zip(trees, reference, strict=True):
+            assert tree.problem == expected.problem
+            assert tree.nodes.to_pylist() == expected.nodes.to_pylist()
+            assert tree.rollout_paths == expected.rollout_paths
+
+
+def test_the_open_trees_follow_the_fleets_spare_capacity(sandbox):
+    programs = MemoSandbox(sandbox)  # every tree runs the same programs: instant once run
+    search(PROBLEMS[:2], StepPolicy(scripts=SCRIPTS), programs, CONFIG, prompt=PROMPT)
+    memory = memory_for(8)
+    opened = {c: fleet_search(programs, capacity=c, memory_mb=memory)[1] for c in (3, 12, 1000)}
+    mean = {c: sum(o) / len(o) for c, o in opened.items()}
+    # An expansion asks for 3 samples: 3 slots keep about one tree busy (a few more open while
+    # the others' code runs or their next step is being made), 12 about four, and a fleet with
+    # room for every tree is held to what memory allows.
+    assert mean[3] < mean[12] < mean[1000]
+    assert max(opened[3]) < max(opened[1000]) == 8
