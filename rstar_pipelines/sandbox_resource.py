@@ -87,5 +87,14 @@ class CountingSandbox:
         progress.count(sandbox_jobs=len(results))
         return results
 
+    def stream(self, jobs: Any) -> Any:
+        """The sandbox's `stream`, its jobs counted once all have finished."""
+        return self._counted(self._sandbox.stream(jobs), len(jobs))
+
+    @staticmethod
+    def _counted(pairs: Any, jobs: int) -> Any:
+        yield from pairs
+        progress.count(sandbox_jobs=jobs)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sandbox, name)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 from rstar_sandbox import server
 
@@ -18,6 +19,10 @@ STATUSES = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, SANDBOX_ERRO
 # client (http_client.py) posts to it.
 BATCH_PATH = "/v1/batches"
 BATCH_ID_HEADER = "X-Rstar-Batch"  # the id again, as a header a load balancer can hash on
+# A request that accepts STREAM_TYPE gets its results as they finish: one `result_line` per
+# job, in finishing order; REPLAYED_HEADER says whether they come from an earlier run.
+STREAM_TYPE = "application/x-ndjson"
+REPLAYED_HEADER = "X-Rstar-Replayed"
 
 
 @dataclass(frozen=True)
@@ -75,3 +80,32 @@ class Result:
     @classmethod
     def sandbox_error(cls, message: str, attempts: int) -> Result:
         return cls(SANDBOX_ERROR, None, "", message, 0.0, 0.0, 0.0, attempts)
+
+
+_LIMITS = {f.name: f.default for f in fields(Job) if f.name != "code"}
+
+
+def encode_batch(batch_id: str, jobs: list[Job]) -> bytes:
+    """A batch as the service reads it, compactly: each program once (jobs name it by its
+    index in `programs`), and of each job's other fields only those off their defaults."""
+    programs: dict[str, int] = {}
+    specs = []
+    for job in jobs:
+        spec: dict = {"program": programs.setdefault(job.code, len(programs))}
+        for name, default in _LIMITS.items():
+            value = getattr(job, name)
+            if value != default:
+                spec[name] = value
+        specs.append(spec)
+    return json.dumps({"id": batch_id, "programs": list(programs), "jobs": specs}).encode()
+
+
+def result_line(index: int, r: Result) -> bytes:
+    """One finished job of a streamed batch: its index and its result's fields, in order."""
+    values = [index, r.status, r.exit_code, r.stdout, r.stderr, r.wall_s, r.cpu_s]
+    return (json.dumps([*values, r.peak_memory_mb, r.attempts]) + "\n").encode()
+
+
+def parse_result_line(line: str | bytes) -> tuple[int, Result]:
+    index, *values = json.loads(line)
+    return index, Result(*values)

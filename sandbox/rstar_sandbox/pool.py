@@ -11,9 +11,10 @@ import atexit
 import itertools
 import logging
 import os
+import queue
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from rstar_sandbox.jobs import Job, Result
@@ -34,6 +35,7 @@ class _Batch:
     taken: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: queue.SimpleQueue | None = None  # (index, result) as each job ends: `stream`
 
     def settle(self, index: int, result: Result) -> None:
         with self.lock:
@@ -41,6 +43,8 @@ class _Batch:
                 return
             self.results[index] = result
             self.remaining -= 1
+            if self.finished is not None:
+                self.finished.put((index, result))
             if self.remaining == 0:
                 self.done.set()
 
@@ -254,12 +258,27 @@ class Sandbox:
             raise RuntimeError("the sandbox is not running: use `with Sandbox(...) as sb:`")
         if not jobs:
             return []
-        batch = _Batch(jobs=jobs, results=[None] * len(jobs), remaining=len(jobs))
+        batch = self._submit(jobs, None)
+        batch.done.wait()
+        return batch.results  # type: ignore[return-value]
+
+    def stream(self, jobs: Sequence[Job]) -> Iterator[tuple[int, Result]]:
+        """(index, result) for every job, once, as each finishes: a caller can use the
+        first results while the last jobs run. The jobs are queued at the call, not at the
+        first `next`. Safe to call from many threads."""
+        if self._closed or not self._threads:
+            raise RuntimeError("the sandbox is not running: use `with Sandbox(...) as sb:`")
+        finished: queue.SimpleQueue = queue.SimpleQueue()
+        if jobs:
+            self._submit(jobs, finished)
+        return (finished.get() for _ in range(len(jobs)))
+
+    def _submit(self, jobs: Sequence[Job], finished: queue.SimpleQueue | None) -> _Batch:
+        batch = _Batch(jobs, [None] * len(jobs), len(jobs), finished=finished)
         with self._ready:
             self._pending.append(batch)
             self._ready.notify(min(len(jobs), self.workers))
-        batch.done.wait()
-        return batch.results  # type: ignore[return-value]
+        return batch
 
     def run_many(self, code: str, stdins: Sequence[str], **limits) -> list[Result]:
         """One program over many inputs."""

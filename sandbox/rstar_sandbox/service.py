@@ -1,8 +1,13 @@
 """`rstar sandbox serve`: one host's sandbox pool behind HTTP, for pipelines on other hosts.
 
     POST /v1/batches   {"id": "<batch id>", "jobs": [{"code": ..., "stdin": ..., ...}]}
-        200  {"id": ..., "replayed": bool, "results": [...]}: one result per job, in job
-             order; `replayed`: answered from an earlier request's run of this id
+        or, compactly, each program once: {"id": ..., "programs": [code, ...],
+        "jobs": [{"program": <index into programs>, "stdin": ..., ...}]}
+        200  with `Accept: application/x-ndjson`: one line per job as it finishes,
+             [job index, status, exit_code, stdout, stderr, wall_s, cpu_s, peak_memory_mb,
+             attempts] (jobs.result_line), the header X-Rstar-Replayed: 1 when they come
+             from an earlier request's run of this id; otherwise {"id": ..., "replayed":
+             bool, "results": [...]}, one result per job, in job order
         429  no room: the bounded queue is full and so is the waiting room beside it (as
              many jobs again), or the batch waited there ADMIT_WAIT_S; `Retry-After` says
              when to ask again (when the queue, at the recent rate, has room for it)
@@ -29,6 +34,7 @@ import signal
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,7 +42,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from rstar_sandbox.jobs import BATCH_PATH, Job, Result
+from rstar_sandbox.jobs import (
+    BATCH_PATH,
+    REPLAYED_HEADER,
+    STREAM_TYPE,
+    Job,
+    Result,
+    result_line,
+)
 from rstar_sandbox.pool import Sandbox
 
 log = logging.getLogger("rstar_sandbox.service")
@@ -77,15 +90,31 @@ def parse_batch(body: bytes) -> tuple[str, list[Job]]:
     batch_id = payload.get("id")
     if not isinstance(batch_id, str) or not batch_id:
         raise RequestError(HTTPStatus.BAD_REQUEST, "the batch needs a non-empty string 'id'")
+    programs = payload.get("programs", [])
+    if not isinstance(programs, list) or not all(isinstance(p, str) for p in programs):
+        raise RequestError(HTTPStatus.BAD_REQUEST, "'programs' must be a list of strings")
     jobs = []
     for index, spec in enumerate(payload["jobs"]):
         try:
-            if not isinstance(spec, dict) or not isinstance(spec.get("code"), str):
-                raise ValueError("a job is an object with a string 'code'")
-            jobs.append(Job(**spec))
+            jobs.append(Job(**_job_fields(spec, programs)))
         except (TypeError, ValueError) as err:
             raise RequestError(HTTPStatus.BAD_REQUEST, f"job {index}: {err}") from None
     return batch_id, jobs
+
+
+def _job_fields(spec: Any, programs: list[str]) -> dict:
+    """A job's fields, its code looked up when it names one of the batch's programs."""
+    if not isinstance(spec, dict):
+        raise ValueError("a job is an object with a string 'code' or an integer 'program'")
+    if "program" in spec:
+        spec = dict(spec)
+        k = spec.pop("program")
+        if type(k) is not int or not 0 <= k < len(programs) or "code" in spec:
+            raise ValueError(f"'program' {k!r} is not one of the {len(programs)} programs")
+        spec["code"] = programs[k]
+    if not isinstance(spec.get("code"), str):
+        raise ValueError("a job is an object with a string 'code' or an integer 'program'")
+    return spec
 
 
 @dataclass
@@ -204,33 +233,50 @@ class SandboxService:
         return run
 
     def run_batch(self, batch_id: str, jobs: list[Job], digest: str) -> tuple[list[Result], bool]:
-        """The batch's results, and whether they come from an earlier request's run."""
+        """The batch's results in job order, and whether they come from an earlier run."""
+        pairs, replayed = self.stream_batch(batch_id, jobs, digest)
+        results: list[Result | None] = [None] * len(jobs)
+        for index, result in pairs:
+            results[index] = result
+        return results, replayed  # type: ignore[return-value]
+
+    def stream_batch(
+        self, batch_id: str, jobs: list[Job], digest: str
+    ) -> tuple[Iterable[tuple[int, Result]], bool]:
+        """(index, result) of every job, and whether they come from an earlier request's run
+        (then all at once, when that run ends). The caller consumes every pair, whatever
+        becomes of its client: the run is remembered for a retry only once it is whole."""
         run, starts = self._admit(batch_id, digest, len(jobs))
         if starts:
-            admitted, started = time.monotonic(), time.perf_counter()
-            try:
-                run.results = self.sandbox.run(jobs)
-            except BaseException:
-                with self._lock:  # let a retry start it afresh
-                    self._runs.pop(batch_id, None)
-                raise
-            finally:
-                took = time.perf_counter() - started
-                with self._lock:
-                    self._queued -= len(jobs)
-                    self.metrics.queued.set(self._queued)
-                    self._finished.append((time.monotonic(), len(jobs), admitted))
-                    self._room.notify_all()
-                run.done.set()
-            self.metrics.batches.inc()
-            self.metrics.batch_seconds.observe(took)
-            for result in run.results:
+            return self._execute(batch_id, run, jobs), False
+        run.done.wait()
+        if run.results is None:
+            raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the batch's run failed")
+        return enumerate(run.results), True
+
+    def _execute(self, batch_id: str, run: _Run, jobs: list[Job]) -> Iterator[tuple[int, Result]]:
+        admitted, started = time.monotonic(), time.perf_counter()
+        results: list[Result | None] = [None] * len(jobs)
+        try:
+            for index, result in self.sandbox.stream(jobs):
+                results[index] = result
                 self.metrics.jobs.labels(result.status).inc()
-        else:
-            run.done.wait()
-            if run.results is None:
-                raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "the batch's run failed")
-        return run.results, not starts
+                yield index, result
+            run.results = results  # type: ignore[assignment]
+        except BaseException:
+            with self._lock:  # let a retry start it afresh
+                self._runs.pop(batch_id, None)
+            raise
+        finally:
+            took = time.perf_counter() - started
+            with self._lock:
+                self._queued -= len(jobs)
+                self.metrics.queued.set(self._queued)
+                self._finished.append((time.monotonic(), len(jobs), admitted))
+                self._room.notify_all()
+            run.done.set()
+        self.metrics.batches.inc()
+        self.metrics.batch_seconds.observe(took)
 
     def _room_seconds(self, size: int) -> int:
         """Retry-After: how long, at the recent rate, until the queue has room for `size` more
@@ -317,9 +363,12 @@ def _handler(service: SandboxService) -> type[BaseHTTPRequestHandler]:
                 if not service.serving:
                     raise RequestError(HTTPStatus.SERVICE_UNAVAILABLE, "shutting down")
                 batch_id, jobs = parse_batch(body)
-                results, replayed = service.run_batch(
-                    batch_id, jobs, hashlib.sha256(body).hexdigest()
-                )
+                digest = hashlib.sha256(body).hexdigest()
+                if STREAM_TYPE in (self.headers.get("Accept") or ""):
+                    pairs, replayed = service.stream_batch(batch_id, jobs, digest)
+                    self._stream(pairs, replayed)
+                    return
+                results, replayed = service.run_batch(batch_id, jobs, digest)
             except RequestError as err:
                 self._error(err)
                 return
@@ -329,6 +378,33 @@ def _handler(service: SandboxService) -> type[BaseHTTPRequestHandler]:
                 "results": [asdict(r) for r in results],
             }
             self._json(HTTPStatus.OK, payload)
+
+        def _stream(self, pairs: Iterable[tuple[int, Result]], replayed: bool) -> None:
+            """Each result as an HTTP chunk as it comes. A client gone mid-batch stops the
+            writing, not the run: its retry is answered from the whole run."""
+            try:
+                self.send_response(HTTPStatus.OK)
+                self.send_header("Content-Type", STREAM_TYPE)
+                self.send_header("Transfer-Encoding", "chunked")
+                self.send_header(REPLAYED_HEADER, "1" if replayed else "0")
+                self.end_headers()
+                writing = True
+            except OSError:
+                self.close_connection, writing = True, False
+            for index, result in pairs:
+                if writing:
+                    line = result_line(index, result)
+                    writing = self._write(b"%x\r\n%s\r\n" % (len(line), line))
+            if writing:
+                self._write(b"0\r\n\r\n")
+
+        def _write(self, data: bytes) -> bool:
+            try:
+                self.wfile.write(data)
+                return True
+            except OSError:
+                self.close_connection = True
+                return False
 
     return Handler
 

@@ -82,3 +82,6 @@ class GatedSandbox:
         assert self.gate.wait(30), "the gate never opened"
         self.ran.extend(jobs)
         return [Result(OK, 0, job.stdin, "", 0.0, 0.0, 0.0) for job in jobs]
+
+    def stream(self, jobs):
+        return enumerate(self.run(jobs))

@@ -81,6 +81,15 @@ def test_run_many_keeps_input_order(sandbox):
     assert [r.stdout for r in outputs] == [f"{2 * i}\n" for i in range(20)]
 
 
+def test_stream_gives_each_result_once_as_its_job_finishes(sandbox):
+    slow = Job(code="import time; time.sleep(1)\n" + ADD, stdin="0 0\n", timeout_s=5.0)
+    jobs = [slow, *(Job(code=ADD, stdin=f"{i} {i}\n", timeout_s=2.0) for i in range(1, 20))]
+    pairs = list(sandbox.stream(jobs))
+    assert sorted(i for i, _ in pairs) == list(range(20))
+    assert pairs[-1][0] == 0  # the slow job, taken first, ends last
+    assert all(r.stdout == f"{2 * i}\n" for i, r in pairs)
+
+
 def test_infinite_loop_times_out_and_leaves_nothing(sandbox):
     marker = f"sleep {4000 + os.getpid() % 1000}.{uuid.uuid4().int % 1000}"
     code = f"import subprocess\nsubprocess.Popen({marker.split()!r})\nwhile True:\n    pass\n"
