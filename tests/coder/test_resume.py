@@ -3,7 +3,6 @@ the real embedded model through the real `dagster` CLI, killed with SIGKILL."""
 
 import json
 import os
-import shutil
 import signal
 import sqlite3
 import subprocess
@@ -11,25 +10,10 @@ import time
 
 import dagster as dg
 import pytest
-import yaml
 
-from tests.fakes.repo import DAGSTER, REPO
+from tests.fakes.repo import DAGSTER, REPO, pipeline_copy
 
 MATH = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 4), (10, 7), (6, 9), (12, 30), (8, 1)]]
-
-
-def _pipeline_copy(tmp_path):
-    """The declared pipeline with fewer samples, so the run is short."""
-    assets = tmp_path / "assets"
-    shutil.copytree(REPO / "assets", assets)
-    doc = yaml.safe_load((assets / "pipeline.yaml").read_text())
-    for entry in doc["assets"]:
-        if entry["key"] == "synthesized_problems":
-            entry["params"]["max_seeds_per_domain"] = 0
-        if entry["key"] == "candidate_solutions":
-            entry["params"]["sampling"].update(n=2, max_tokens=48)
-    (assets / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
-    return assets
 
 
 def _materialize_command(selection: str) -> list[str]:
@@ -61,10 +45,15 @@ def test_killed_run_reuses_finished_items(tmp_path, incoming, isolated_dirs):
     (incoming / "r.jsonl").write_text(
         "\n".join(json.dumps({"problem": p, "answer": "0"}) for p in MATH) + "\n"
     )
+    # The declared pipeline with fewer samples, so the run is short.
+    fewer = {
+        "synthesized_problems": {"max_seeds_per_domain": 0},
+        "candidate_solutions": {"sampling": {"n": 2, "max_tokens": 48}},
+    }
     # One prompt per generate call: each problem's completions are committed as they come.
     env = {
         **os.environ,
-        "RSTAR_ASSETS_DIR": str(_pipeline_copy(tmp_path)),
+        "RSTAR_ASSETS_DIR": str(pipeline_copy(tmp_path, fewer)),
         "RSTAR_LLM_BATCH_SIZE": "1",
     }
     with dg.DagsterInstance.get() as instance:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -14,6 +17,30 @@ DEMO_SEEDS = REPO / "assets" / "seeds" / "demo" / "demo.jsonl"
 # The `dagster` and `rstar` commands of this environment.
 DAGSTER = os.path.join(os.path.dirname(sys.executable), "dagster")
 RSTAR = os.path.join(os.path.dirname(sys.executable), "rstar")
+
+
+def pipeline_copy(directory: Path, params: dict[str, dict]) -> Path:
+    """A copy of the assets directory (for RSTAR_ASSETS_DIR) whose pipeline.yaml has each
+    asset's `params` updated from `params[key]`, nested mappings merged key by key."""
+    assets = directory / "assets"
+    shutil.copytree(REPO / "assets", assets)
+    doc = yaml.safe_load((assets / "pipeline.yaml").read_text())
+    unknown = set(params) - {entry["key"] for entry in doc["assets"]}
+    if unknown:
+        raise KeyError(f"pipeline.yaml declares no asset {sorted(unknown)}")
+    for entry in doc["assets"]:
+        if entry["key"] in params:
+            _merge(entry.setdefault("params", {}), params[entry["key"]])
+    (assets / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+    return assets
+
+
+def _merge(into: dict, update: dict) -> None:
+    for name, value in update.items():
+        if isinstance(value, dict) and isinstance(into.get(name), dict):
+            _merge(into[name], value)
+        else:
+            into[name] = value
 
 
 def dagster_cli(*args: str) -> subprocess.CompletedProcess:
