@@ -12,7 +12,8 @@ labels. A seed problem's oracle solution, when given, supplies the labels instea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rstar_sandbox import OK, Job, Result, Sandbox
@@ -24,8 +25,10 @@ __all__ = [
     "ProgramRuns",
     "VerificationTask",
     "check_determinism",
+    "determinism_mismatches",
     "mutual_verify",
     "mutual_verify_many",
+    "mutual_verify_streamed",
     "normalize_output",
     "output_signature",
     "passes_tests",
@@ -33,6 +36,9 @@ __all__ = [
 ]
 
 UNPARSABLE = "unparsable"
+# Jobs in a window of `mutual_verify_streamed`: two windows are queued at once, enough to
+# keep any pool busy while a finished problem is decided and committed.
+WINDOW_JOBS = 4096
 
 
 def normalize_output(text: str) -> str:
@@ -80,6 +86,15 @@ class VerificationTask:
     timeout_s: float | None = None
 
 
+@dataclass(frozen=True)
+class ProgramRuns:
+    """Programs (None where there is no code) to run on every one of `inputs`."""
+
+    programs: Sequence[str | None]
+    inputs: Sequence[str]
+    timeout_s: float | None = None
+
+
 def mutual_verify(
     candidates: Sequence[str | None],
     inputs: Sequence[str],
@@ -102,27 +117,90 @@ def mutual_verify_many(
     timeout_s: float = 2.0,
     memory_mb: int = 256,
 ) -> list[MutualVerification]:
-    """Verify many problems with one `sandbox.run` call, so the workers never wait
-    between one problem's jobs and the next's."""
-    runs = run_programs(
-        [ProgramRuns([*t.candidates, t.oracle], t.inputs, t.timeout_s) for t in tasks],
-        sandbox,
-        timeout_s,
-        memory_mb,
-    )
-    return [
-        _decide(task, task_runs[:-1], task_runs[-1], threshold)
-        for task, task_runs in zip(tasks, runs, strict=True)
-    ]
+    """Verify many problems (`mutual_verify_streamed`), their verifications in task order."""
+    out: list[MutualVerification | None] = [None] * len(tasks)
+
+    def done(index: int, verification: MutualVerification) -> None:
+        out[index] = verification
+
+    mutual_verify_streamed(tasks, sandbox, done, threshold, timeout_s, memory_mb)
+    return out  # type: ignore[return-value]
 
 
-@dataclass(frozen=True)
-class ProgramRuns:
-    """Programs (None where there is no code) to run on every one of `inputs`."""
+def mutual_verify_streamed(
+    tasks: Sequence[VerificationTask],
+    sandbox: Sandbox,
+    done: Callable[[int, MutualVerification], None],
+    threshold: float = 0.6,
+    timeout_s: float = 2.0,
+    memory_mb: int = 256,
+    window: int = WINDOW_JOBS,
+) -> None:
+    """Verify the tasks over the sandbox's `stream`: `done(i, verification)` is called, from
+    this thread, as soon as every run of task i has finished. The jobs go out a window of
+    about `window` at a time with the next window queued behind it, so the workers never
+    wait between problems nor on `done` (a commit, say), and memory holds two windows
+    whatever the number of tasks."""
+    windows = _windows(tasks, window)
+    queued: deque[_Window] = deque()
 
-    programs: Sequence[str | None]
-    inputs: Sequence[str]
-    timeout_s: float | None = None
+    def queue_next() -> None:
+        indices = next(windows, None)
+        if indices is not None:
+            queued.append(_Window(tasks, indices, sandbox, timeout_s, memory_mb))
+
+    queue_next()
+    queue_next()
+    while queued:
+        for index, candidate_runs, oracle_runs in queued.popleft().finished():
+            done(index, _decide(tasks[index], candidate_runs, oracle_runs, threshold))
+        queue_next()
+
+
+def _programs(task: VerificationTask) -> ProgramRuns:
+    return ProgramRuns([*task.candidates, task.oracle], task.inputs, task.timeout_s)
+
+
+def _windows(tasks: Sequence[VerificationTask], window: int) -> Iterator[list[int]]:
+    """Consecutive task indices, about `window` jobs at a time (a larger task alone)."""
+    indices: list[int] = []
+    jobs = 0
+    for i, task in enumerate(tasks):
+        indices.append(i)
+        jobs += _job_count(_programs(task))
+        if jobs >= window:
+            yield indices
+            indices, jobs = [], 0
+    if indices:
+        yield indices
+
+
+class _Window:
+    """One window's jobs, queued in the sandbox at construction."""
+
+    def __init__(self, tasks, indices: list[int], sandbox, timeout_s: float, memory_mb: int):
+        self.indices = indices
+        self.programs = [_programs(tasks[i]) for i in indices]
+        self.jobs, self.starts = _layout(self.programs, timeout_s, memory_mb)
+        self.owner = [k for k, p in enumerate(self.programs) for _ in range(_job_count(p))]
+        self.stream = sandbox.stream(self.jobs)
+
+    def finished(self) -> Iterator[tuple[int, list, Sequence[Result] | None]]:
+        """(task index, candidate runs, oracle runs) of each task as its last run ends."""
+        results: list[Result | None] = [None] * len(self.jobs)
+        left = [_job_count(p) for p in self.programs]
+        for k in (k for k, n in enumerate(left) if n == 0):  # tasks that run nothing
+            yield self._runs(k, results)
+        for index, result in self.stream:
+            results[index] = result
+            k = self.owner[index]
+            left[k] -= 1
+            if left[k] == 0:
+                yield self._runs(k, results)
+
+    def _runs(self, k: int, results: list) -> tuple[int, list, Sequence[Result] | None]:
+        runs = _split(self.programs[k], self.starts[k], results)
+        return self.indices[k], runs[:-1], runs[-1]
 
 
 def run_programs(
@@ -130,8 +208,18 @@ def run_programs(
 ) -> list[list[Sequence[Result] | None]]:
     """Every task's programs on its inputs with one `sandbox.run` call: per task and program,
     its results in input order, or None for a program without code."""
+    jobs, starts = _layout(tasks, timeout_s, memory_mb)
+    results = sandbox.run(jobs)
+    return [_split(task, s, results) for task, s in zip(tasks, starts, strict=True)]
+
+
+def _layout(
+    tasks: Sequence[ProgramRuns], timeout_s: float, memory_mb: int
+) -> tuple[list[Job], list[list[int | None]]]:
+    """The jobs of the tasks' programs on their inputs, task after task, and per task and
+    program its first job (None: a program without code runs nothing)."""
     jobs: list[Job] = []
-    starts: list[list[int | None]] = []  # per task and program: its first job, if it runs
+    starts: list[list[int | None]] = []
     for task in tasks:
         limit = task.timeout_s or timeout_s
         task_starts: list[int | None] = []
@@ -145,11 +233,16 @@ def run_programs(
             else:
                 task_starts.append(None)
         starts.append(task_starts)
-    results = sandbox.run(jobs)
-    return [
-        [None if s is None else results[s : s + len(task.inputs)] for s in task_starts]
-        for task, task_starts in zip(tasks, starts, strict=True)
-    ]
+    return jobs, starts
+
+
+def _job_count(task: ProgramRuns) -> int:
+    return len(task.inputs) * sum(map(_parsable, task.programs))
+
+
+def _split(task: ProgramRuns, starts: list[int | None], results) -> list[Sequence[Result] | None]:
+    n = len(task.inputs)
+    return [None if s is None else results[s : s + n] for s in starts]
 
 
 def output_signature(runs: Sequence[Result] | None) -> tuple[str, ...] | None:
@@ -180,9 +273,14 @@ def check_determinism(
     results = sandbox.run(
         [Job(code=program, stdin=s, timeout_s=timeout_s, memory_mb=memory_mb) for s in inputs]
     )
+    return determinism_mismatches(results, labels)
+
+
+def determinism_mismatches(runs: Sequence[Result], labels: Sequence[str]) -> list[int]:
+    """The indices of the runs that failed or no longer print their label."""
     return [
         i
-        for i, (result, label) in enumerate(zip(results, labels, strict=True))
+        for i, (result, label) in enumerate(zip(runs, labels, strict=True))
         if not result.ok or normalize_output(result.stdout) != normalize_output(label)
     ]
 

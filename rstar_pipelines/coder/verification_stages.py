@@ -10,9 +10,12 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.coder.verification import (
+    WINDOW_JOBS,
+    ProgramRuns,
     VerificationTask,
-    check_determinism,
-    mutual_verify_many,
+    determinism_mismatches,
+    mutual_verify_streamed,
+    run_programs,
 )
 from rstar_pipelines.math.answers import equivalent, majority_answer
 from rstar_pipelines.pipeline.item_cache import fingerprint
@@ -33,7 +36,12 @@ class VerificationParams(StageParams):
     threshold: float = Field(0.6, gt=0, le=1, description="share of candidates that must agree")
     timeout_s: float = Field(2.0, gt=0, description="per run, unless the problem sets time_limit_s")
     memory_mb: int = Field(256, gt=0)
-    chunk: int = Field(8, ge=1, description="problems per sandbox batch (and per cache commit)")
+    window: int = Field(
+        WINDOW_JOBS,
+        ge=1,
+        description="sandbox jobs queued at once, twice over: one window runs while the "
+        "problems of the other are decided and committed, each as its last run ends",
+    )
     determinism_sample: int = Field(5, ge=1, description="inputs re-run by the determinism check")
 
 
@@ -122,17 +130,18 @@ class MutualVerification(Stage):
         def key(task: VerificationTask) -> str:
             return fingerprint(asdict(task), p.threshold, p.timeout_s, p.memory_mb)
 
-        def compute(batch: list[VerificationTask]) -> list[dict]:
-            results = mutual_verify_many(
-                batch,
+        def compute(todo: list[VerificationTask], done) -> None:
+            mutual_verify_streamed(
+                todo,
                 ctx.resource("sandbox").get(),  # started only when an item is not cached
+                lambda j, verification: done(j, asdict(verification)),
                 threshold=p.threshold,
                 timeout_s=p.timeout_s,
                 memory_mb=p.memory_mb,
+                window=p.window,
             )
-            return [asdict(r) for r in results]
 
-        outcomes = ctx.cache.map(tasks, key, compute, p.chunk)
+        outcomes = ctx.cache.map_streamed(tasks, key, compute)
         rows = []
         for prob, task, mv in zip(problems, tasks, outcomes, strict=True):
             mine = candidates.get(prob["id"], [])
@@ -219,21 +228,27 @@ class MutualVerification(Stage):
     ) -> CheckOutcome:
         by_id = {p["id"]: p for p in problems}
         verified = [r for r in rows if r["verified"]]
-        unstable = []
-        for row in verified:
+        samples, checks = [], []
+        for row in verified:  # one sandbox call for all: the workers never wait between them
             problem = by_id[row["problem_id"]]
             step = max(1, len(row["inputs"]) // self.params.determinism_sample)
             sample = list(range(0, len(row["inputs"]), step))[: self.params.determinism_sample]
-            mismatches = check_determinism(
-                _labelling_program(row, problem, candidates.get(row["problem_id"], [])),
-                [row["inputs"][i] for i in sample],
-                [row["labels"][i] for i in sample],
-                ctx.resource("sandbox").get(),
-                timeout_s=problem["time_limit_s"] or self.params.timeout_s,
-                memory_mb=self.params.memory_mb,
+            samples.append(sample)
+            checks.append(
+                ProgramRuns(
+                    [_labelling_program(row, problem, candidates.get(row["problem_id"], []))],
+                    [row["inputs"][i] for i in sample],
+                    problem["time_limit_s"],
+                )
             )
-            if mismatches:
-                unstable.append(row["problem_id"])
+        runs = run_programs(
+            checks, ctx.resource("sandbox").get(), self.params.timeout_s, self.params.memory_mb
+        )
+        unstable = [
+            row["problem_id"]
+            for row, sample, [reruns] in zip(verified, samples, runs, strict=True)
+            if determinism_mismatches(reruns, [row["labels"][i] for i in sample])
+        ]
         return CheckOutcome(
             "labels_deterministic",
             passed=not unstable,

@@ -11,10 +11,11 @@ from rstar_pipelines.coder.verification import (
     check_determinism,
     mutual_verify,
     mutual_verify_many,
+    mutual_verify_streamed,
     normalize_output,
 )
 from rstar_sandbox import RUNTIME_ERROR, TIMEOUT, Sandbox
-from tests.fakes.sandbox import require_backend
+from tests.fakes.sandbox import WindowedSandbox, require_backend
 
 INPUTS = ["1 2\n", "10 -3\n", "0 0\n", "123456789 987654321\n"]
 SUMS = ["3", "7", "0", "1111111110"]
@@ -174,3 +175,27 @@ def test_many_equals_one_at_a_time(sandbox):
     assert [mv.verified for mv in many] == [True, True, False]
     assert many[2].verdicts[2].status == TIMEOUT
     assert many[2].verdicts[2].wall_s < 0.8  # two runs under the task's own 0.3 s limit
+
+
+def test_streamed_decides_each_problem_as_its_runs_end_within_two_windows(sandbox):
+    slow = "import time\ntime.sleep(1)\n" + CORRECT[0]
+    tasks = [
+        VerificationTask([slow], INPUTS[:1]),  # 1 job, the first a worker takes
+        VerificationTask([], INPUTS),  # runs nothing
+        *(VerificationTask([*CORRECT[:4], WRONG[i % 3]], INPUTS) for i in range(6)),  # 20 each
+    ]
+    windowed = WindowedSandbox(sandbox)
+    decided = []
+    mutual_verify_streamed(
+        tasks, windowed, lambda i, mv: decided.append((i, mv)), 0.6, 2.0, window=20
+    )
+    # Windows of at least 20 jobs, consecutive problems: [0, 1, 2], [3], [4], ...
+    assert windowed.calls == [21, 20, 20, 20, 20, 20]
+    assert windowed.most_queued <= 2 * 21  # two windows, whatever the number of problems
+    order = [i for i, _ in decided]
+    assert sorted(order) == list(range(len(tasks)))
+    assert order.index(1) < order.index(2) < order.index(0)  # the slow problem's end waits
+    many = mutual_verify_many(tasks, sandbox, 0.6, 2.0)
+    assert [_decision(mv) for _, mv in sorted(decided, key=lambda d: d[0])] == [
+        _decision(mv) for mv in many
+    ]

@@ -1,6 +1,6 @@
 """Sandboxes for tests: which backends run here, sandboxes over the real one (one that records
-its calls, one that runs each program once), one that runs nothing until told to, and an asset
-that runs jobs through the sandbox resource."""
+its calls, one that records how much its streams hold, one that runs each program once), one
+that runs nothing until told to, and an asset that runs jobs through the sandbox resource."""
 
 from __future__ import annotations
 
@@ -51,6 +51,28 @@ class CountingSandbox:
     def run(self, jobs):
         self.batches.append(list(jobs))
         return self.sandbox.run(jobs)
+
+
+class WindowedSandbox:
+    """Streams jobs through `sandbox`, recording the jobs of every `stream` call and the most
+    jobs queued and not yet handed back at any one time."""
+
+    def __init__(self, sandbox: Sandbox):
+        self.sandbox = sandbox
+        self.calls: list[int] = []
+        self.queued = 0
+        self.most_queued = 0
+
+    def stream(self, jobs):
+        self.calls.append(len(jobs))
+        self.queued += len(jobs)
+        self.most_queued = max(self.most_queued, self.queued)
+        return self._handed(self.sandbox.stream(jobs))
+
+    def _handed(self, pairs):
+        for pair in pairs:
+            self.queued -= 1
+            yield pair
 
 
 class MemoSandbox:
