@@ -639,6 +639,32 @@ def _open_block(node: Node, timed_out_steps: str = "rerun") -> list[str]:
     return actions[::-1]
 
 
+@dataclass
+class _Run:
+    """One `MCTSSearch.run`: the open trees with their searches, the replies ready for them,
+    the requests waiting for their lane and the futures in flight."""
+
+    problems: Sequence[Problem]
+    on_tree: Callable[[int, Tree, float], None] | None
+    opened: Window
+    kept: dict[int, Tree] = field(default_factory=dict)
+    rules: dict[int, TreeSearch] = field(default_factory=dict)  # the open trees
+    searches: dict[int, _Search] = field(default_factory=dict)
+    ready: deque[tuple[int, Any]] = field(default_factory=deque)
+    pending: dict[type, list[tuple[int, _Request]]] = field(
+        default_factory=lambda: {_Generate: [], _Execute: [], _Score: []}
+    )
+    in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = field(default_factory=dict)
+    held_since: dict[type, float] = field(default_factory=dict)
+
+    def withdraw(self) -> None:
+        """On an error: the expansions (and samples) not yet started are cancelled."""
+        for future in self.in_flight:
+            future.cancel()
+        for future in (f for r in self.rules.values() for u in r.unsettled for f in u.samples):
+            future.cancel()
+
+
 class MCTSSearch:
     """Searches many trees at once and keeps the figures of the run in `stats`."""
 
@@ -678,108 +704,96 @@ class MCTSSearch:
         from this thread as soon as tree `i` ends, with its share of the wall time (each moment
         split evenly among the trees open then: llm.coroutines.Window), and the tree is not
         kept: run then returns []. Without `on_tree`, every tree, in order."""
-        from rstar_sandbox import Job
-
         start = time.perf_counter()
-        kept: dict[int, Tree] = {}
         bound = open_trees_bound(self.config, memory_mb)
-        opened = Window(len(problems), min(window or bound, bound))
-        rules: dict[int, TreeSearch] = {}  # the open trees
-        searches: dict[int, _Search] = {}
-        ready: deque[tuple[int, Any]] = deque()
-
-        def open_trees() -> None:
-            for i in opened.start(self._trees_to_open(opened)):
-                tree = Tree(problems[i], Node("0", None, 0))
-                early, ppm = self._early, self.ppm is not None
-                rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
-                searches[i] = rules[i].run()
-                ready.append((i, None))
-
-        def ended(i: int) -> None:
-            tree = rules.pop(i).tree
-            del searches[i]
-            seconds = opened.end(i)
-            if on_tree is None:
-                kept[i] = tree
-            else:
-                on_tree(i, tree, seconds)
-            open_trees()
-
-        pending: dict[type, list[tuple[int, _Request]]] = {_Generate: [], _Execute: [], _Score: []}
-        in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = {}
-        # The interpreter program stops itself at exec_timeout_s (with the reference's
-        # TimeoutError); the sandbox's limit behind it is a second longer.
-        grace = 1.0 if self.config.execution == "interpreter" else 0.0
-        job = lambda code: Job(  # noqa: E731
-            code,
-            timeout_s=self.config.exec_timeout_s + grace,
-            memory_mb=self.config.exec_memory_mb,
-        )
-        lanes = {
-            _Execute: lambda reqs: self._execute(reqs, job),
-            _Score: self._score,
-        }
-        held_since: dict[type, float] = {}
-        with ThreadPoolExecutor(max_workers=len(lanes)) as pool:
+        run = _Run(problems, on_tree, Window(len(problems), min(window or bound, bound)))
+        with ThreadPoolExecutor(max_workers=2) as pool:  # the sandbox's lane and the PPM's
             try:
                 while True:
                     engine_start = time.perf_counter()
-                    open_trees()
-                    while ready:
-                        index, reply = ready.popleft()
-                        try:
-                            request = searches[index].send(reply)
-                        except StopIteration:
-                            ended(index)
-                            continue
-                        if isinstance(request, _Sample):
-                            self.stats.open_trees_at_llm_call.append(opened.running)
-                            ready.append((index, self._sample(request)))
-                        elif isinstance(request, _Wait):
-                            if request.future.done():
-                                ready.append((index, request.future.result()))
-                            else:
-                                in_flight[request.future] = (_Wait, [(index, request)])
-                        else:
-                            pending[type(request)].append((index, request))
+                    self._open_trees(run)
+                    self._advance(run)
                     now = time.perf_counter()
-                    open_trees_now = opened.running
                     for kind in self._lanes_to_start(
-                        pending, in_flight, open_trees_now, held_since, now
+                        run.pending, run.in_flight, run.opened.running, run.held_since, now
                     ):
-                        batch, pending[kind] = pending[kind], []
-                        held_since.pop(kind, None)
-                        if kind is _Generate:  # one future per tree: each resumes on its own
-                            self.stats.open_trees_at_llm_call.append(open_trees_now)
-                            futures = self._generate([r for _, r in batch])
-                            in_flight.update(
-                                (f, (kind, [entry]))
-                                for f, entry in zip(futures, batch, strict=True)
-                            )
-                            continue
-                        future = pool.submit(lanes[kind], [r for _, r in batch])
-                        in_flight[future] = (kind, batch)
+                        self._start_lane(run, kind, pool)
                     self.stats.engine_s += time.perf_counter() - engine_start
-                    if opened.has_room and self._trees_to_open(opened) != 0:
+                    if run.opened.has_room and self._trees_to_open(run.opened) != 0:
                         continue  # the fleet has room for another tree
-                    if not in_flight:
+                    if not run.in_flight:
                         break
-                    deadlines = [t + self._gather_s(k) for k, t in held_since.items()]
-                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                    done, _ = wait(in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
-                    for future in done:
-                        kind, batch = in_flight.pop(future)
-                        one = kind is _Generate or kind is _Wait  # a future per tree
-                        replies = [future.result()] if one else future.result()
-                        ready.extend(zip((i for i, _ in batch), replies, strict=True))
-            finally:  # on an error, withdraw the expansions (and samples) not yet started
-                for future in in_flight:
-                    future.cancel()
-                for future in (f for r in rules.values() for u in r.unsettled for f in u.samples):
-                    future.cancel()
+                    self._gather(run, now)
+            finally:
+                run.withdraw()
         self.stats.wall_s += time.perf_counter() - start
-        return [kept[i] for i in range(len(kept))]
+        return [run.kept[i] for i in range(len(run.kept))]
+
+    def _open_trees(self, run: _Run) -> None:
+        for i in run.opened.start(self._trees_to_open(run.opened)):
+            tree = Tree(run.problems[i], Node("0", None, 0))
+            early, ppm = self._early, self.ppm is not None
+            run.rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
+            run.searches[i] = run.rules[i].run()
+            run.ready.append((i, None))
+
+    def _ended(self, run: _Run, i: int) -> None:
+        tree = run.rules.pop(i).tree
+        del run.searches[i]
+        seconds = run.opened.end(i)
+        if run.on_tree is None:
+            run.kept[i] = tree
+        else:
+            run.on_tree(i, tree, seconds)
+        self._open_trees(run)
+
+    def _advance(self, run: _Run) -> None:
+        """Each search with a reply ready goes on to its next request: a sample goes out at
+        once, a wait parks on its future, the rest wait for their lane."""
+        while run.ready:
+            index, reply = run.ready.popleft()
+            try:
+                request = run.searches[index].send(reply)
+            except StopIteration:
+                self._ended(run, index)
+                continue
+            if isinstance(request, _Sample):
+                self.stats.open_trees_at_llm_call.append(run.opened.running)
+                run.ready.append((index, self._sample(request)))
+            elif isinstance(request, _Wait):
+                if request.future.done():
+                    run.ready.append((index, request.future.result()))
+                else:
+                    run.in_flight[request.future] = (_Wait, [(index, request)])
+            else:
+                run.pending[type(request)].append((index, request))
+
+    def _start_lane(self, run: _Run, kind: type, pool: ThreadPoolExecutor) -> None:
+        """A lane's pending requests go out: expansions with a future per tree, so each
+        resumes on its own; executions and scores as one batch on the `pool`."""
+        batch, run.pending[kind] = run.pending[kind], []
+        run.held_since.pop(kind, None)
+        if kind is _Generate:
+            self.stats.open_trees_at_llm_call.append(run.opened.running)
+            futures = self._generate([r for _, r in batch])
+            run.in_flight.update(
+                (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
+            )
+            return
+        lane = self._execute if kind is _Execute else self._score
+        run.in_flight[pool.submit(lane, [r for _, r in batch])] = (kind, batch)
+
+    def _gather(self, run: _Run, now: float) -> None:
+        """Waits for the first future in flight (or a held lane's deadline); their replies
+        become ready."""
+        deadlines = [t + self._gather_s(k) for k, t in run.held_since.items()]
+        timeout = max(0.0, min(deadlines) - now) if deadlines else None
+        done, _ = wait(run.in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
+        for future in done:
+            kind, batch = run.in_flight.pop(future)
+            one = kind is _Generate or kind is _Wait  # a future per tree
+            replies = [future.result()] if one else future.result()
+            run.ready.extend(zip((i for i, _ in batch), replies, strict=True))
 
     def _trees_to_open(self, opened: Window) -> int | None:
         """How many more trees to open now (None: as many as the window has room for). Over a
@@ -873,10 +887,18 @@ class MCTSSearch:
             future.add_done_callback(finished)
         return futures
 
-    def _execute(self, requests: list[_Execute], job) -> list[list[Any]]:
+    def _execute(self, requests: list[_Execute]) -> list[list[Any]]:
+        from rstar_sandbox import Job
+
         start = time.perf_counter()
         programs = [p for r in requests for p in r.programs]
-        results = self.sandbox.run([job(p) for p in programs])
+        # The interpreter program stops itself at exec_timeout_s (with the reference's
+        # TimeoutError); the sandbox's limit behind it is a second longer.
+        grace = 1.0 if self.config.execution == "interpreter" else 0.0
+        timeout_s, memory_mb = self.config.exec_timeout_s + grace, self.config.exec_memory_mb
+        results = self.sandbox.run(
+            [Job(p, timeout_s=timeout_s, memory_mb=memory_mb) for p in programs]
+        )
         self.stats.sandbox_calls += 1
         self.stats.programs_run += len(programs)
         self.stats.sandbox_s += time.perf_counter() - start
