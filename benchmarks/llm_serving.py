@@ -123,24 +123,119 @@ def run_stage(urls, args, slots: int, *, n: int) -> dict:
     return measured(urls, args, wall)
 
 
+def mcts_config(args, lockstep: bool = False):
+    from rstar_pipelines.math.mcts import MCTSConfig
+
+    return MCTSConfig(rollouts=4, width=4, max_depth=6, errors_threshold=1,
+                      max_tokens=args.max_tokens, seed=0, lockstep=lockstep)  # fmt: skip
+
+
+def mcts_trees(args, slots: int) -> int:
+    return max(1, round(args.trees_per_slot * slots))
+
+
 def run_mcts(urls, args, slots: int, *, lockstep: bool, early: bool = True) -> dict:
+    """The search engine alone (`MCTSSearch.run`, trees opened as the fleet has room)."""
     from mcts import InstantSandbox
 
     from rstar_pipelines.llm import load_llm
-    from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem
+    from rstar_pipelines.math.mcts import MCTSSearch, Problem
 
-    config = MCTSConfig(rollouts=4, width=4, max_depth=6, errors_threshold=1,
-                        max_tokens=args.max_tokens, seed=0, lockstep=lockstep)  # fmt: skip
-    trees = max(1, round(args.trees_per_slot * slots / config.width))
+    trees = mcts_trees(args, slots)
     problems = [Problem(f"t{i}", f"What is {i} + 5 - {i}?", "5") for i in range(trees)]
     with closing(load_llm("openai", base_url=urls)) as llm:
-        search = MCTSSearch(llm, InstantSandbox(), config, descend_early=early)
-        search.run(problems)
+        search = MCTSSearch(llm, InstantSandbox(), mcts_config(args, lockstep), descend_early=early)
+        search.run(problems, on_tree=lambda i, tree, seconds: None)
         windows = [s["window"] for s in llm.server_stats().values()]
     wall = search.stats.wall_s
     return {"trees": trees, "trees_per_hour": trees * 3600 / wall,
-            "discarded_nodes": search.stats.discarded_nodes,
             **measured(urls, args, wall, windows)}  # fmt: skip
+
+
+def run_search_stage(urls, args, slots: int, *, key: str) -> dict:
+    """`mcts_trajectories` (the training side of the split) or `mcts_eval` (the held-out side,
+    without a PPM: evaluation mode, and its greedy pass) materialized by Dagster in this
+    process, the upstream tables written to a lake of its own, the `llm` resource on the fleet
+    and a sandbox that answers at once (as the engine rows')."""
+    import dagster as dg
+    import pyarrow as pa
+    import yaml
+    from mcts import InstantSandbox
+
+    from rstar_pipelines.definitions import build_definitions, load_spec
+    from rstar_pipelines.llm.resource import LLMResource
+    from rstar_pipelines.sandbox_resource import SandboxResource
+    from rstar_pipelines.storage import schemas
+    from rstar_pipelines.storage.parquet_io import write_table
+
+    class InstantSandboxResource(SandboxResource):
+        def get(self):
+            return InstantSandbox()
+
+    trees = mcts_trees(args, slots)
+    work = Path(tempfile.mkdtemp(prefix="llm-serving-mcts-"))
+    saved = {k: os.environ.get(k) for k in ("RSTAR_DATA_DIR", "RSTAR_LAKE_URL", "RSTAR_ASSETS_DIR")}
+    try:
+        assets = work / "assets"
+        shutil.copytree(REPO / "assets", assets)
+        # The engine rows' prompt (mcts.DEFAULT_PROMPT), not the few-shot one, whose example
+        # steps the simulated engines would count as the tree's depth.
+        (assets / "prompts" / "mcts_bootstrap.jinja").write_text("Question: {{ question }}\n")
+        os.environ.update(RSTAR_DATA_DIR=str(work / "data"), RSTAR_ASSETS_DIR=str(assets))
+        os.environ.pop("RSTAR_LAKE_URL", None)
+        doc = yaml.safe_load((assets / "pipeline.yaml").read_text())
+        config = mcts_config(args).model_dump(mode="json", exclude={"lockstep"})
+        # mcts_eval searches the held-out side: all of it when every group is held out
+        doc["heldout"]["fraction"] = 0.0 if key == "mcts_trajectories" else 0.999999
+        for entry in doc["assets"]:
+            if entry["key"] == key:
+                entry["params"].update(search=config, max_problems=trees, prompt="bootstrap")
+        (assets / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
+        spec = load_spec()
+        defs = build_definitions(spec)
+        lake = work / "data" / "lake"
+        _write_search_upstream(lake, trees, schemas, write_table, pa)
+        llm = LLMResource(backend="openai", base_urls=list(urls), model="sim")
+        resources = {**defs.resources, "sandbox": InstantSandboxResource(), "llm": llm}
+        with dg.instance_for_test() as instance:
+            instance.add_dynamic_partitions("seed_batches", ["b"])
+            started = time.perf_counter()
+            result = dg.materialize(
+                list(defs.assets), selection=[key], instance=instance, resources=resources,
+                partition_key="b" if key == "mcts_trajectories" else None)  # fmt: skip
+            wall = time.perf_counter() - started
+            assert result.success
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        shutil.rmtree(work, ignore_errors=True)
+    return {"trees": trees, "trees_per_hour": trees * 3600 / wall,
+            **measured(urls, args, wall)}  # fmt: skip
+
+
+def _write_search_upstream(lake: Path, trees: int, schemas, write_table, pa) -> None:
+    """Seed batch "b": `trees` verified maths problems (each its own group) and the tables the
+    search stages read beside them; checkpoints without a path (the declared policy, no PPM)."""
+    ids = [f"t{i}" for i in range(trees)]
+    problems = [{"id": i, "batch": "b", "domain": "math", "problem": f"What is {n} + 5 - {n}?",
+                 "answer": "5", "oracle_solutions": [], "examples": [], "time_limit_s": None,
+                 "is_seed": True, "seed_id": i, "model": "seed"}
+                for n, i in enumerate(ids)]  # fmt: skip
+    verified = [{"problem_id": i, "batch": "b", "domain": "math", "verified": True,
+                 "reason": None, "label_source": "given", "agreement": 1.0, "answer": "5",
+                 "inputs": [], "labels": [], "candidates": []} for i in ids]  # fmt: skip
+    groups = [{"problem_id": i, "batches": ["b"], "domain": "math", "seed_id": i, "group_id": i,
+               "group_size": 1, "heldout": True, "duplicate_of": None} for i in ids]  # fmt: skip
+    write_table(pa.Table.from_pylist(problems, schema=schemas.SYNTHESIZED_PROBLEMS),
+                lake / "synthesized_problems" / "b.parquet")  # fmt: skip
+    write_table(pa.Table.from_pylist(verified, schema=schemas.VERIFIED_OUTPUTS),
+                lake / "verified_outputs" / "b.parquet")  # fmt: skip
+    write_table(pa.Table.from_pylist(groups, schema=schemas.PROBLEM_GROUPS),
+                lake / "problem_groups.parquet")  # fmt: skip
+    for name in ("policy_checkpoint", "ppm_checkpoint"):
+        row = {field.name: None for field in schemas.CHECKPOINT}
+        write_table(pa.Table.from_pylist([row], schema=schemas.CHECKPOINT),
+                    lake / f"{name}.parquet")  # fmt: skip
 
 
 def cases_for(engine: str, only: set[str]) -> list[tuple[str, object, dict]]:
@@ -151,11 +246,10 @@ def cases_for(engine: str, only: set[str]) -> list[tuple[str, object, dict]]:
     if "stage" in only:
         cases += [("candidate_solutions (Dagster), chat, n=8", run_stage, {"n": 8})]
     if "mcts" in only and engine == "vllm":
-        cases += [("MCTS, raw, width 4, lock-step", run_mcts, {"lockstep": True}),
-                  ("MCTS, raw, width 4, asynchronous, whole expansions", run_mcts,
-                   {"lockstep": False, "early": False}),
-                  ("MCTS, raw, width 4, asynchronous, early walk", run_mcts,
-                   {"lockstep": False})]  # fmt: skip
+        cases += [("MCTS engine, lock-step", run_mcts, {"lockstep": True}),
+                  ("MCTS engine, early walk", run_mcts, {"lockstep": False}),
+                  ("mcts_trajectories (Dagster)", run_search_stage, {"key": "mcts_trajectories"}),
+                  ("mcts_eval (Dagster)", run_search_stage, {"key": "mcts_eval"})]  # fmt: skip
     return cases
 
 
@@ -165,8 +259,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--fill", type=float, default=12.0,
                         help="workload length in units of the longest sequence")  # fmt: skip
-    parser.add_argument("--trees-per-slot", type=float, default=1.5,
-                        help="MCTS trees per `width` slots of the fleet")  # fmt: skip
+    parser.add_argument("--trees-per-slot", type=float, default=1.0,
+                        help="MCTS trees (problems) per slot of the fleet")  # fmt: skip
+    parser.add_argument("--capacity", type=int, help="every replica's, instead of CAPACITY's")
     parser.add_argument("--engine", choices=list(CAPACITY), action="append")
     parser.add_argument("--replicas", type=int, choices=[1, 2], action="append")
     parser.add_argument("--only", choices=["client", "stage", "mcts"], action="append")
@@ -178,11 +273,13 @@ def main() -> None:
     rows = []
     for engine in args.engine or list(CAPACITY):
         for replicas in args.replicas or [1, 2]:
-            replica_specs = [(engine, CAPACITY[engine])] * replicas
+            capacity = args.capacity or CAPACITY[engine]
+            replica_specs = [(engine, capacity)] * replicas
             with fleet(replica_specs, args.tick_ms / 1000) as urls:
                 for name, run, options in cases_for(engine, only):
-                    figures = run(urls, args, replicas * CAPACITY[engine], **options)
-                    row = {"engine": engine, "replicas": replicas, "case": name, **figures}
+                    figures = run(urls, args, replicas * capacity, **options)
+                    row = {"engine": engine, "capacity": capacity, "replicas": replicas,
+                           "case": name, **figures}  # fmt: skip
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     print(f"\nMachine: {machine()}; {time.strftime('%Y-%m-%d')}; {args.tick_ms:g} ms a token, "
@@ -193,12 +290,37 @@ def main() -> None:
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
-        trees = f"{r['trees_per_hour']:.0f}" if "trees_per_hour" in r else ""
+        if "trees_per_hour" in r:
+            continue  # in the MCTS table
+        trees = ""
         windows = ", ".join(str(w) for w in r["windows"])
-        print(f"| {r['engine']} ({CAPACITY[r['engine']]}) | {r['replicas']} | {r['case']} | "
+        print(f"| {r['engine']} ({r['capacity']}) | {r['replicas']} | {r['case']} | "
               f"{r['sequences']} | {r['requests']} | {r['wall_s']:.1f} | {windows} | "
               f"{r['busy']:.3f} | {r['busy_until_drain']:.3f} | {r['of_perfect']:.3f} | "
               f"{trees} |")  # fmt: skip
+
+    print_mcts_table([r for r in rows if "trees_per_hour" in r])
+
+
+def print_mcts_table(rows: list[dict]) -> None:
+    """The search rows: busy, busy of the ceiling (a perfect client on the same sequences),
+    trees/h, and the lock-step engine's trees/h on the same fleet beside them."""
+    if not rows:
+        return
+    lockstep = {(r["capacity"], r["replicas"]): r["trees_per_hour"]
+                for r in rows if r["case"] == "MCTS engine, lock-step"}  # fmt: skip
+    header = ["capacity", "replicas", "driver", "trees", "sequences", "wall s",
+              "busy (whole run)", "busy until the drain", "of the ceiling", "trees/h",
+              "lock-step trees/h", "x lock-step"]  # fmt: skip
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for r in rows:
+        base = lockstep.get((r["capacity"], r["replicas"]))
+        ratio = f"{r['trees_per_hour'] / base:.2f}" if base else ""
+        print(f"| {r['capacity']} | {r['replicas']} | {r['case']} | {r['trees']} | "
+              f"{r['sequences']} | {r['wall_s']:.1f} | {r['busy']:.3f} | "
+              f"{r['busy_until_drain']:.3f} | {r['of_perfect']:.3f} | "
+              f"{r['trees_per_hour']:.0f} | {base or 0:.0f} | {ratio} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from rstar_pipelines.definitions import build_definitions, load_spec
 from rstar_pipelines.llm import load_llm
 from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.materialize import run_waves
-from rstar_pipelines.math.mcts import MCTSConfig
+from rstar_pipelines.math.mcts import MCTSConfig, open_trees_bound
 from rstar_pipelines.math.search_stages import search_trees
 from rstar_pipelines.math.steps import PREAMBLE
 from rstar_pipelines.pipeline.generation import CheckpointModels
@@ -27,7 +27,7 @@ from rstar_pipelines.problems import VerifiedProblem
 from rstar_pipelines.sandbox_resource import SandboxResource
 from rstar_pipelines.storage import query, schemas
 from rstar_pipelines.storage.parquet_io import write_table
-from tests.fakes.llm import ScriptedLLMResource
+from tests.fakes.llm import CapacityFleet, ScriptedLLMResource
 from tests.fakes.math import QUESTION, SCRIPT, A, F, StepPolicy, golden_search, state
 from tests.fakes.repo import REPO
 
@@ -42,10 +42,12 @@ PROBLEMS = [
 ]
 
 
-def _search_stage(tmp_path, monkeypatch, policy):
-    """search_trees as mcts_trajectories runs it, over `policy`, the process sandbox and an
-    item cache that logs each commit into the policy's events."""
+def _search_stage(tmp_path, monkeypatch, policy, problems=PROBLEMS, serve=None, **params):
+    """search_trees as mcts_trajectories runs it (with `params` over the declared ones), over
+    `policy` (or `serve`, an LLM in front of it), the process sandbox and an item cache that
+    logs each commit into the policy's events."""
     stage = load_spec(REPO / "assets" / "pipeline.yaml").by_key["mcts_trajectories"].stage()
+    stage.params = stage.params.model_copy(update=params)
     put = ItemCache.put
 
     def logged_put(cache, key, value):
@@ -54,7 +56,7 @@ def _search_stage(tmp_path, monkeypatch, policy):
 
     monkeypatch.setattr(ItemCache, "put", logged_put)
     resources = {
-        "llm": ScriptedLLMResource.serving(policy),
+        "llm": ScriptedLLMResource.serving(serve or policy),
         "sandbox": SandboxResource(backend="process", workers=2),
     }
     ctx = StageContext(
@@ -65,7 +67,7 @@ def _search_stage(tmp_path, monkeypatch, policy):
         cache_namespace=stage.cache_namespace(),
     )
     models = CheckpointModels(stage, ctx, None, None)
-    return lambda: search_trees(stage, ctx, PROBLEMS, models, SEARCH, gold=True), ctx
+    return lambda: search_trees(stage, ctx, problems, models, SEARCH, gold=True), ctx
 
 
 def test_a_tree_is_committed_as_soon_as_it_ends(tmp_path, monkeypatch, sandbox):
@@ -116,6 +118,37 @@ QUESTIONS = [
     "Find the total of 2 and 3.",
     "Two birds sit on a wire and three join them. How many birds?",
 ]
+
+
+def test_a_crash_over_a_fleet_redoes_only_the_open_trees(tmp_path, monkeypatch):
+    """Eight problems over a fleet with room for all, memory for three open trees: the fifth
+    tree's model fails on its second expansion. What ended before is in the cache; the run
+    again searches the trees open at the crash (at most three) and those never opened."""
+    problems = [
+        VerifiedProblem(f"q{i}", f"q{i}", f"q{i}", "b1", "math", q, "5")
+        for i, q in enumerate(QUESTIONS)
+    ]
+    broken = {q: {k: v for k, v in SCRIPT.items() if k != A} for q in QUESTIONS[4:5]}
+    policy = StepPolicy(scripts={**dict.fromkeys(QUESTIONS, SCRIPT), **broken})
+    fleet = CapacityFleet(policy, capacity=1000, delay_s=0.02)
+    bound = open_trees_bound(SEARCH, 1024) / 1024  # trees a MiB
+    search, ctx = _search_stage(
+        tmp_path, monkeypatch, policy, problems, fleet, open_trees_memory_mb=3.5 / bound
+    )
+    with pytest.raises(KeyError):
+        search()
+    started = {e[0] for e in policy.events if e != "commit" and e[1] == ""}
+    committed = policy.events.count("commit")
+    assert committed >= 3  # the first three trees ended before the fifth was opened
+    policy.scripts = dict.fromkeys(QUESTIONS, SCRIPT)
+    policy.events.clear()
+    searched = search()
+    again = {e[0] for e in policy.events if e != "commit"}
+    assert len(again) == len(QUESTIONS) - committed == len(problems) - ctx.cache.hits
+    redone = again & started  # open at the crash
+    assert QUESTIONS[4] in redone and len(redone) <= 3
+    assert all(state(t) == state(searched.trees[0]) for t in searched.trees)
+    ctx.close()
 
 
 def _write_upstream(batch: str) -> None:
