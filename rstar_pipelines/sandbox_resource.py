@@ -88,13 +88,11 @@ class CountingSandbox:
         return results
 
     def stream(self, jobs: Any) -> Any:
-        """The sandbox's `stream`, its jobs counted once all have finished."""
-        return self._counted(self._sandbox.stream(jobs), len(jobs))
-
-    @staticmethod
-    def _counted(pairs: Any, jobs: int) -> Any:
-        yield from pairs
-        progress.count(sandbox_jobs=jobs)
+        """The sandbox's `stream`, each job counted as it finishes (a streamed stage
+        advances its progress between jobs, so its lines carry the jobs' rate)."""
+        for finished in self._sandbox.stream(jobs):
+            progress.count(sandbox_jobs=1)
+            yield finished
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sandbox, name)

@@ -22,9 +22,12 @@ from rstar_pipelines.pipeline.stage import (
     StageContext,
     StageResult,
 )
+from rstar_pipelines.sandbox_resource import CountingSandbox
 from rstar_pipelines.stages import STAGES
 from rstar_pipelines.storage import schemas
 from rstar_pipelines.training.stages import PolicyCheckpoint, PolicyTrainingParams
+from rstar_sandbox import Job
+from tests.fakes.sandbox import GatedSandbox
 
 
 class FakeArtifact(Stage):
@@ -152,3 +155,20 @@ def test_the_demo_waves_are_named_jobs_of_the_code_location():
         assert {k.to_user_string() for k in job.asset_layer.executable_asset_keys} == set(
             wave.keys()
         )
+
+
+def test_a_streamed_stage_reports_its_sandbox_jobs_as_they_finish():
+    """A stage that advances between streamed jobs shows their rate in every line, not
+    only once the stream is spent."""
+    gated = GatedSandbox()
+    gated.gate.set()
+    sandbox = CountingSandbox(gated)
+    jobs = [Job("print(1)", str(i)) for i in range(10)]
+    shown = io.StringIO()
+    with progress.console(shown), progress.step("streamed", None, logging.getLogger("t")) as s:
+        with progress.track(len(jobs)) as task:
+            for _ in sandbox.stream(jobs):
+                task.advance(1)
+        assert s.counts["sandbox_jobs"] == 10
+    lines = [line for line in shown.getvalue().splitlines() if "items (" in line]
+    assert len(lines) == 10 and all("sandbox jobs/s" in line for line in lines)
