@@ -63,7 +63,6 @@ def measure(policy, sandbox, problems, config, prompt) -> dict:
     search = MCTSSearch(policy, sandbox, config, prompt=prompt)
     trees = search.run(problems)
     s = search.stats
-    open_at_call = s.open_trees_at_llm_call
     return {
         "schedule": "lock-step" if config.lockstep else "asynchronous",
         "trees": len(trees),
@@ -73,7 +72,7 @@ def measure(policy, sandbox, problems, config, prompt) -> dict:
         "expansions_per_s": s.expansions / s.wall_s if s.wall_s else 0.0,
         "llm_calls": s.llm_calls,
         "mean_llm_batch": s.mean_llm_batch,
-        "mean_open_trees": sum(open_at_call) / len(open_at_call) if open_at_call else 0.0,
+        "mean_open_trees": s.mean_open_trees,
         "llm_s": s.llm_s,
         "sandbox_s": s.sandbox_s,
         "engine_s": s.engine_s,

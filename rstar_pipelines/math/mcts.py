@@ -260,8 +260,11 @@ class Tree:
 class SearchStats:
     expansions: int = 0
     llm_calls: int = 0
-    llm_batch_sizes: list[int] = field(default_factory=list)
-    open_trees_at_llm_call: list[int] = field(default_factory=list)
+    # Trees open as LLM requests go out, summed and at most: counters, not a list per call,
+    # so a search's stats stay the same size however long it runs.
+    open_trees_requests: int = 0
+    open_trees_sum: int = 0
+    open_trees_most: int = 0
     sandbox_calls: int = 0
     programs_run: int = 0
     ppm_calls: int = 0
@@ -276,8 +279,17 @@ class SearchStats:
 
     @property
     def mean_llm_batch(self) -> float:
-        sizes = self.llm_batch_sizes
-        return sum(sizes) / len(sizes) if sizes else 0.0
+        return self.expansions / self.llm_calls if self.llm_calls else 0.0
+
+    @property
+    def mean_open_trees(self) -> float:
+        return self.open_trees_sum / self.open_trees_requests if self.open_trees_requests else 0.0
+
+    def requested(self, open_trees: int) -> None:
+        """An LLM request went out while `open_trees` trees were open."""
+        self.open_trees_requests += 1
+        self.open_trees_sum += open_trees
+        self.open_trees_most = max(self.open_trees_most, open_trees)
 
     def as_dict(self) -> dict:
         return {
@@ -758,7 +770,7 @@ class MCTSSearch:
                 self._ended(run, index)
                 continue
             if isinstance(request, _Sample):
-                self.stats.open_trees_at_llm_call.append(run.opened.running)
+                self.stats.requested(run.opened.running)
                 run.ready.append((index, self._sample(request)))
             elif isinstance(request, _Wait):
                 if request.future.done():
@@ -774,7 +786,7 @@ class MCTSSearch:
         batch, run.pending[kind] = run.pending[kind], []
         run.held_since.pop(kind, None)
         if kind is _Generate:
-            self.stats.open_trees_at_llm_call.append(run.opened.running)
+            self.stats.requested(run.opened.running)
             futures = self._generate([r for _, r in batch])
             run.in_flight.update(
                 (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
@@ -872,7 +884,6 @@ class MCTSSearch:
         sampling = self.config.sampling(self.stats.llm_calls)
         self.stats.llm_calls += 1
         self.stats.expansions += expansions
-        self.stats.llm_batch_sizes.append(expansions)
         return sampling
 
     def _timed(self, futures: list[Future]) -> list[Future]:

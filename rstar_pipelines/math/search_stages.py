@@ -48,11 +48,11 @@ from rstar_pipelines.storage import schemas
 
 
 def search_problems(
-    inputs: dict[str, pa.Table], params, heldout: bool, groups: dict[str, str] | None = None
+    inputs: dict[str, pa.Table], params, groups: dict[str, str] | None = None
 ) -> list[VerifiedProblem]:
-    """The verified math problems on one side of the held-out split, at most max_problems (by
-    `groups`, default every batch's problem_groups)."""
-    found = on_side(verified_problems(inputs, "math", groups), params.heldout, heldout)
+    """The verified math problems the search trains on: those outside the held-out split, at
+    most max_problems (by `groups`, default every batch's problem_groups)."""
+    found = on_side(verified_problems(inputs, "math", groups), params.heldout, heldout=False)
     return found[: params.max_problems]
 
 
@@ -174,7 +174,7 @@ class MCTSTrajectories(SearchStage):
         # The batch's own groups: a tree whose group among every batch is held out is left out
         # of the training tables (training_trees), so none is trained on.
         groups = batch_groups(inputs["synthesized_problems"], p.heldout)
-        problems = search_problems(inputs, p, heldout=False, groups=groups)
+        problems = search_problems(inputs, p, groups)
         models = CheckpointModels(
             self,
             ctx,

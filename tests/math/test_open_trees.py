@@ -28,14 +28,14 @@ def memory_for(trees: int, config: MCTSConfig = CONFIG) -> float:
 
 
 def fleet_search(sandbox, capacity: int, memory_mb: float, seed: int = 0):
-    """The trees over a fleet of `capacity` slots, and the trees open at each LLM call."""
+    """The trees over a fleet of `capacity` slots, and the search's stats."""
     fleet = CapacityFleet(StepPolicy(scripts=SCRIPTS), capacity, delay_s=0.05, seed=seed)
     searcher = MCTSSearch(fleet, sandbox, CONFIG, prompt=PROMPT)
     ended = {}
     searcher.run(
         PROBLEMS, on_tree=lambda i, tree, s: ended.setdefault(i, tree), memory_mb=memory_mb
     )
-    return [ended[i] for i in range(len(PROBLEMS))], searcher.stats.open_trees_at_llm_call
+    return [ended[i] for i in range(len(PROBLEMS))], searcher.stats
 
 
 def test_the_memory_budget_bounds_the_open_trees():
@@ -50,8 +50,8 @@ def test_a_partition_beyond_the_bound_gives_the_lockstep_trees(sandbox):
     lockstep = CONFIG.model_copy(update={"lockstep": True})
     reference = search(PROBLEMS, StepPolicy(scripts=SCRIPTS), sandbox, lockstep, prompt=PROMPT)
     for seed in range(3):  # three orders of arrival
-        trees, opened = fleet_search(sandbox, capacity=1000, memory_mb=memory_for(3), seed=seed)
-        assert max(opened) == 3  # the fleet had room for all; memory held three
+        trees, stats = fleet_search(sandbox, capacity=1000, memory_mb=memory_for(3), seed=seed)
+        assert stats.open_trees_most == 3  # the fleet had room for all; memory held three
         for tree, expected in zip(trees, reference, strict=True):
             assert tree.problem == expected.problem
             assert tree.nodes.to_pylist() == expected.nodes.to_pylist()
@@ -62,10 +62,10 @@ def test_the_open_trees_follow_the_fleets_spare_capacity(sandbox):
     programs = MemoSandbox(sandbox)  # every tree runs the same programs: instant once run
     search(PROBLEMS[:2], StepPolicy(scripts=SCRIPTS), programs, CONFIG, prompt=PROMPT)
     memory = memory_for(8)
-    opened = {c: fleet_search(programs, capacity=c, memory_mb=memory)[1] for c in (3, 12, 1000)}
-    mean = {c: sum(o) / len(o) for c, o in opened.items()}
+    stats = {c: fleet_search(programs, capacity=c, memory_mb=memory)[1] for c in (3, 12, 1000)}
+    mean = {c: s.mean_open_trees for c, s in stats.items()}
     # An expansion asks for 3 samples: 3 slots keep about one tree busy (a few more open while
     # the others' code runs or their next step is being made), 12 about four, and a fleet with
     # room for every tree is held to what memory allows.
     assert mean[3] < mean[12] < mean[1000]
-    assert max(opened[3]) < max(opened[1000]) == 8
+    assert stats[3].open_trees_most < stats[1000].open_trees_most == 8
