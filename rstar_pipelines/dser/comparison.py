@@ -97,6 +97,7 @@ class EvaluationComparison(Stage):
 
     Params = ComparisonParams
     schema = schemas.EVAL_COMPARISON
+    pairs_upstream = True
     prompt_roles = ("solve", "verify", "refine")  # DSER's: its first solutions are sampled
     resources = ("llm",)
     version = "3"  # round 0's rows, intervals and paired tests

@@ -232,6 +232,7 @@ def load_pipeline(path: Path, stages: dict[str, type[Stage]], prompts_dir: Path)
         declared.append(DeclaredAsset(decl, stage_cls, params, prompts, model, input_names))
     _check_upstream(path, declared, produced)
     _check_acyclic(path, declared, produced)
+    _check_paired(path, declared, produced)
     return PipelineSpec(path, declared)
 
 
@@ -354,6 +355,29 @@ def _check_upstream(path: Path, declared: list[DeclaredAsset], produced: dict[st
                 raise _fail(path, asset.key, "upstream", f"unknown upstream asset {up!r}")
             if up in asset.output_keys():
                 raise _fail(path, asset.key, "upstream", "an asset cannot depend on itself")
+
+
+def _check_paired(path: Path, declared: list[DeclaredAsset], produced: dict[str, str]) -> None:
+    """The evaluations a stage pairs problem by problem declare one `max_problems`: the pairs
+    cover only the problems every one of them evaluated, so the smallest would decide."""
+    by_key = {asset.key: asset for asset in declared}
+    for asset in declared:
+        if not asset.stage_cls.pairs_upstream:
+            continue
+        sizes = {
+            up: by_key[produced[up]].params.max_problems
+            for up in asset.decl.upstream
+            if "max_problems" in type(by_key[produced[up]].params).model_fields
+        }
+        if len(set(sizes.values())) > 1:
+            listed = ", ".join(f"{up} {'null' if n is None else n}" for up, n in sizes.items())
+            raise _fail(
+                path,
+                asset.key,
+                "upstream",
+                f"the evaluations it pairs problem by problem declare different max_problems "
+                f"({listed}): it would compare them on the fewest only; give them one value",
+            )
 
 
 def _with_split(

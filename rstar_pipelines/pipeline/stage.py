@@ -148,6 +148,9 @@ class Stage:
       resources          Dagster resource keys it needs
       checks             the checks its run reports on (CheckSpec)
       kinds              tags shown as icons in the Dagster UI
+      pairs_upstream     True where the stage pairs its upstream evaluations problem by
+                         problem: the loader then requires them to declare one
+                         max_problems, since the pairs cover only the problems all share
       version            bump it whenever a change to the code changes what the stage
                          produces from the same inputs and parameters, including code it
                          calls (the search engine, a parser, a prompt renderer): the
@@ -168,6 +171,7 @@ class Stage:
     resources: ClassVar[tuple[str, ...]] = ()
     checks: ClassVar[tuple[CheckSpec, ...]] = ()
     kinds: ClassVar[frozenset[str]] = frozenset({"python"})
+    pairs_upstream: ClassVar[bool] = False
     version: ClassVar[str] = "1"
 
     def __init__(

@@ -202,3 +202,18 @@ def test_the_heldout_split_is_declared_once(tmp_path):
         _load(tmp_path, own)
     with pytest.raises(PipelineSpecError, match="heldout.fraction"):
         _load(tmp_path, text.replace("fraction: 0.2", "fraction: 1.5"))
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+@pytest.mark.parametrize("changed", ["base_policy_eval", "dser_eval", "attn_gate_eval"])
+def test_the_evaluations_a_comparison_pairs_declare_one_max_problems(tmp_path, rounds, changed):
+    """eval_comparison pairs its evaluations over the problems all of them evaluated: one of
+    them declared smaller would shrink every row to its problems."""
+    doc = yaml.safe_load(yaml.safe_dump(GOOD))
+    doc["rounds"] = rounds
+    assert _load(tmp_path, doc).by_key["eval_comparison"]  # the declared pipeline agrees
+    entry = next(a for a in doc["assets"] if a["key"] == changed)
+    entry["params"]["max_problems"] = None
+    with pytest.raises(PipelineSpecError) as err:
+        _load(tmp_path, doc)
+    assert "asset 'eval_comparison'" in str(err.value) and f"{changed} null" in str(err.value)
