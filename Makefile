@@ -31,8 +31,9 @@ demo: $(VENV)/.installed
 	mkdir -p $(DAGSTER_HOME)
 	$(BIN)/rstar demo
 
+# Two workers; the tests that share the demo run as one group on one of them (tests/conftest.py).
 test: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest; rc=$$?; \
+	@$(BIN)/python -m pytest -n 2 --dist loadgroup; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 dev: $(VENV)/.installed
