@@ -11,6 +11,7 @@ from rstar_pipelines.agent.format import agent_prompt, final_answer
 from rstar_pipelines.agent.reward import AgentProblem, rewards
 from rstar_pipelines.agent.rollout import RolloutConfig, Trajectory, run_rollouts
 from rstar_pipelines.heldout import HeldoutSplit
+from rstar_pipelines.llm.coroutines import OPEN_MEMORY_MB
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import markdown_table
@@ -30,6 +31,12 @@ class GRPOEvalParams(StageParams):
     rollout: RolloutConfig = Field(
         RolloutConfig(temperature=0.0),
         description="the training rollouts' limits, at temperature 0 (greedy)",
+    )
+    open_rollouts_memory_mb: float = Field(
+        OPEN_MEMORY_MB,
+        gt=0,
+        description="MiB the open rollouts may hold: problems start as the fleet has room, at "
+        "most as many at once as this holds (agent.rollout.group_bytes)",
     )
 
 
@@ -105,7 +112,8 @@ class GRPOEvaluation(Stage):
                 [[reward]] = rewards([group], [agent_problem(q)], sandbox, config.timeout_s)
                 finished(j, _outcome(q, trajectory, reward), seconds)
 
-            run_rollouts(llm, sandbox, prompts, 1, config, seed=0, on_done=ended)
+            memory_mb = self.params.open_rollouts_memory_mb
+            run_rollouts(llm, sandbox, prompts, 1, config, 0, ended, memory_mb)
 
         return map_problems(ctx, problems, key, run, "rolled out")
 

@@ -29,7 +29,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rstar_pipelines.llm.coroutines import Ask, Batch, Coroutine, Fork, run_coroutines
+from rstar_pipelines.llm.coroutines import (
+    BYTES_PER_TOKEN,
+    OPEN_MEMORY_MB,
+    Ask,
+    Batch,
+    Coroutine,
+    Fork,
+    memory_bound,
+    run_coroutines,
+)
 from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
 from rstar_sandbox import Job, Sandbox
 
@@ -106,6 +115,18 @@ class _Live:
     answered: int = 0  # calls answered by its last user turn (undone if the next turn is cut)
 
 
+# A message's dict and a tool call's parsed fields.
+MESSAGE_OVERHEAD_BYTES = 1024
+
+
+def group_bytes(config: RolloutConfig, n: int) -> int:
+    """The most one prompt's `n` trajectories hold while they run: each one's model tokens at
+    its budget and a tool response per turn at its cap, twice (its messages, and the prompt in
+    flight that carries them; the problem's own messages aside)."""
+    turns = config.max_turns * (config.max_tool_response_chars + 2 * MESSAGE_OVERHEAD_BYTES)
+    return n * 2 * (config.max_response_tokens * BYTES_PER_TOKEN + turns)
+
+
 def run_rollouts(
     llm: LLM,
     sandbox: Sandbox,
@@ -114,10 +135,12 @@ def run_rollouts(
     config: RolloutConfig,
     seed: int | None = None,
     on_done: Callable[[int, list[Trajectory], float], None] | None = None,
+    memory_mb: float = OPEN_MEMORY_MB,
 ) -> list[list[Trajectory]]:
     """`n` trajectories per prompt (chat messages ending with the user's problem), in order;
     `on_done(i, trajectories, seconds)` as soon as prompt i's have all ended, with its share
-    of the wall time (llm.coroutines.Window).
+    of the wall time (llm.coroutines.Window). Prompts start as the LLM has room for them, at
+    most as many at once as `memory_mb` holds (`group_bytes`).
 
     Turn t samples with seed `seed + t`, so the same seed gives the same rollouts.
     """
@@ -133,6 +156,7 @@ def run_rollouts(
         [rollout.group(g) for g in groups],
         {"tools": sandbox.run},
         None if on_done is None else lambda i, seconds: on_done(i, groups[i], seconds),
+        window=memory_bound(group_bytes(config, n), memory_mb),
     )
     return groups
 

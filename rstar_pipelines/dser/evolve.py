@@ -30,7 +30,16 @@ from rstar_pipelines.coder.verification import (
 )
 from rstar_pipelines.dser.chain import ChainState
 from rstar_pipelines.dser.vote import last_states, vote
-from rstar_pipelines.llm.coroutines import Ask, Batch, Coroutine, Fork, run_coroutines
+from rstar_pipelines.llm.coroutines import (
+    BYTES_PER_TOKEN,
+    OPEN_MEMORY_MB,
+    Ask,
+    Batch,
+    Coroutine,
+    Fork,
+    memory_bound,
+    run_coroutines,
+)
 from rstar_pipelines.llm.types import LLM, Completion, SamplingParams
 from rstar_pipelines.math.answers import equivalent, extract_boxed
 
@@ -205,6 +214,21 @@ def _math_grade(problem: DSERProblem, answer: str | None) -> Grade:
     return Grade(answer is not None and equivalent(answer, problem.answer))
 
 
+# A state's object, its dict and its numbers.
+STATE_OVERHEAD_BYTES = 1024
+
+
+def problem_bytes(config: DSERConfig) -> int:
+    """The most one problem's chains hold while they run: every state's solution and
+    verification at their token caps, and per chain one prompt in flight that carries a
+    solution and its verification (the question aside: it is held once for the problem)."""
+    solution = max(config.solve_tokens, config.refine_tokens) * BYTES_PER_TOKEN
+    verification = config.verify_tokens * BYTES_PER_TOKEN
+    states = 1 + config.iterations
+    chain = states * (solution + verification + STATE_OVERHEAD_BYTES) + solution + verification
+    return config.chains * chain
+
+
 def run_dser(
     llm: LLM,
     problems: Sequence[DSERProblem],
@@ -212,10 +236,12 @@ def run_dser(
     prompts: DSERPrompts,
     judge: Judge,
     on_done: Callable[[int, DSERRun, float], None] | None = None,
+    memory_mb: float = OPEN_MEMORY_MB,
 ) -> list[DSERRun]:
     """Evolve `config.chains` chains per problem for `config.iterations` iterations;
     `on_done(p, run, seconds)` as soon as problem p's chains have all ended, with its share of
-    the wall time (llm.coroutines.Window).
+    the wall time (llm.coroutines.Window). Problems start as the LLM has room for them, at most
+    as many at once as `memory_mb` holds (`problem_bytes`).
 
     No chain stops early: a solution that passed is verified again in the next iteration,
     since the model's verdicts are samples too."""
@@ -228,6 +254,7 @@ def run_dser(
         [evolution.problem(p) for p in range(len(problems))],
         {"grade": judge.grade},
         None if on_done is None else lambda p, seconds: on_done(p, evolution.result(p), seconds),
+        window=memory_bound(problem_bytes(config), memory_mb),
     )
     return [evolution.result(p) for p in range(len(problems))]
 

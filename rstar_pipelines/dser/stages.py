@@ -24,6 +24,7 @@ from rstar_pipelines.dser.markov import (
     transition_counts,
 )
 from rstar_pipelines.heldout import HeldoutSplit
+from rstar_pipelines.llm.coroutines import OPEN_MEMORY_MB
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.item_cache import fingerprint
 from rstar_pipelines.pipeline.plots import line_plot, markdown_table
@@ -52,6 +53,12 @@ class DSEREvalParams(StageParams):
     max_problems: int | None = Field(None, ge=1, description="at most this many of each domain")
     timeout_s: float = Field(5.0, gt=0, description="per program run, grading code states")
     memory_mb: int = Field(256, gt=0)
+    open_chains_memory_mb: float = Field(
+        OPEN_MEMORY_MB,
+        gt=0,
+        description="MiB the open problems' chains may hold: problems start as the fleet has "
+        "room, at most as many at once as this holds (dser.evolve.problem_bytes)",
+    )
 
 
 class DSEREvaluation(Stage):
@@ -104,7 +111,8 @@ class DSEREvaluation(Stage):
             def evolved(j: int, run: DSERRun, seconds: float) -> None:
                 finished(j, _outcome(run, p.dser.vote_last), seconds)
 
-            run_dser(llm, [dser_problem(q) for q in todo], p.dser, prompts, judge, evolved)
+            dser_problems = [dser_problem(q) for q in todo]
+            run_dser(llm, dser_problems, p.dser, prompts, judge, evolved, p.open_chains_memory_mb)
 
         return map_problems(ctx, problems, key, run, "evolved")
 

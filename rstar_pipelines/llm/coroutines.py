@@ -59,6 +59,21 @@ class Fork:
 
 Coroutine = Generator[Ask | Batch | Fork, Any, None]
 
+# What the open roots of a stage (trees, chains of a problem, rollouts of a prompt) may hold, by
+# default: the stages' `open_memory_mb`-style params.
+OPEN_MEMORY_MB = 8192
+# A generated token decodes to about 4 characters (Qwen2.5's tokenizer on English, maths and
+# Python), one byte each in a Python str of such text.
+BYTES_PER_TOKEN = 4
+
+
+def memory_bound(root_bytes: int, memory_mb: float) -> int:
+    """How many roots of at most `root_bytes` each may be open at once in `memory_mb` (at least
+    one), so that a partition of any size holds no more than that budget."""
+    if memory_mb <= 0:
+        raise ValueError(f"the open roots need some memory, got memory_mb={memory_mb}")
+    return max(1, int(memory_mb * 2**20) // root_bytes)
+
 
 class Window:
     """Which of `count` items (trees, problems) run when: at most `size` at once (all of them,

@@ -45,7 +45,7 @@ from typing import Any, Literal, Protocol
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from rstar_pipelines.llm.coroutines import Window
+from rstar_pipelines.llm.coroutines import BYTES_PER_TOKEN, OPEN_MEMORY_MB, Window, memory_bound
 from rstar_pipelines.llm.types import (
     LLM,
     AsyncLLM,
@@ -160,11 +160,6 @@ class MCTSConfig(BaseModel):
         )
 
 
-# What the open trees may hold, by default (the search stages' `open_trees_memory_mb`).
-OPEN_TREES_MEMORY_MB = 8192
-# A token of a step decodes to about 4 characters (Qwen2.5's tokenizer on English, maths and
-# Python), one byte each in a Python str of such text.
-BYTES_PER_TOKEN = 4
 # A node's object, its dict and its numbers; a prompt in flight per expansion.
 NODE_OVERHEAD_BYTES = 1024
 
@@ -183,9 +178,7 @@ def tree_bytes(config: MCTSConfig) -> int:
 
 def open_trees_bound(config: MCTSConfig, memory_mb: float) -> int:
     """How many trees of `config` may be open at once in `memory_mb` (at least one)."""
-    if memory_mb <= 0:
-        raise ValueError(f"the open trees need some memory, got memory_mb={memory_mb}")
-    return max(1, int(memory_mb * 2**20) // tree_bytes(config))
+    return memory_bound(tree_bytes(config), memory_mb)
 
 
 @dataclass(frozen=True)
@@ -708,7 +701,7 @@ class MCTSSearch:
         problems: Sequence[Problem],
         window: int | None = None,
         on_tree: Callable[[int, Tree, float], None] | None = None,
-        memory_mb: float = OPEN_TREES_MEMORY_MB,
+        memory_mb: float = OPEN_MEMORY_MB,
     ) -> list[Tree]:
         """One tree per problem, opened as the module docstring says: at most `window` at
         once where it is given and what `memory_mb` holds (`open_trees_bound`), the next one

@@ -12,8 +12,8 @@ import pyarrow as pa
 from pydantic import Field
 
 from rstar_pipelines.heldout import HeldoutSplit
+from rstar_pipelines.llm.coroutines import OPEN_MEMORY_MB
 from rstar_pipelines.math.mcts import (
-    OPEN_TREES_MEMORY_MB,
     MCTSConfig,
     MCTSSearch,
     Problem,
@@ -76,7 +76,7 @@ class SearchStageParams(StageParams):
         "the item cache when it ends",
     )
     open_trees_memory_mb: float = Field(
-        OPEN_TREES_MEMORY_MB,
+        OPEN_MEMORY_MB,
         gt=0,
         description="memory the open trees may hold: at most this over the most one tree of "
         "`search` can hold trees are open (mcts.open_trees_bound)",

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from rstar_pipelines.agent.format import agent_prompt
 from rstar_pipelines.agent.reward import AgentProblem, rewards
-from rstar_pipelines.agent.rollout import RolloutConfig, ToolCall, run_rollouts
+from rstar_pipelines.agent.rollout import RolloutConfig, ToolCall, group_bytes, run_rollouts
 from rstar_pipelines.pipeline.prompts import PromptTemplate
 from tests.fakes.agent import AgentPolicy, call, response
 
@@ -269,3 +269,20 @@ def test_a_real_model_rolls_out_within_the_limits_reproducibly(tiny_base, sandbo
         assert trajectory.finish_reason in ("answer", "max_turns", "length")
     again = run_rollouts(llm, sandbox, prompts, 2, config, seed=3)
     assert [[t.messages for t in g] for g in again] == [[t.messages for t in g] for g in groups]
+
+
+def test_the_memory_budget_bounds_the_prompts_rolled_out_at_once(counting_sandbox):
+    """A budget that holds one prompt's rollouts rolls the prompts out one after another, with
+    the same trajectories as when all run at once (each turn keeps its seed)."""
+    config = RolloutConfig(timeout_s=3.0, memory_mb=128)
+    one_prompt = 1.5 * group_bytes(config, 2) / 2**20
+    bounded, unbounded = AgentPolicy(RETRY), AgentPolicy(RETRY)
+    prompts = [prompt(), prompt()]
+    groups = run_rollouts(bounded, counting_sandbox, prompts, 2, config, 5, None, one_prompt)
+    expected = run_rollouts(unbounded, counting_sandbox, prompts, 2, config, seed=5)
+    assert groups == expected
+    # A later turn asks for each open trajectory: two of one prompt, or four of both.
+    assert max(len(chats) for chats, _ in bounded.calls) == 2
+    assert max(len(chats) for chats, _ in unbounded.calls) == 4
+    longer = config.model_copy(update={"max_response_tokens": 4096})
+    assert group_bytes(longer, 2) > group_bytes(config, 2) > group_bytes(config, 1)

@@ -15,6 +15,7 @@ from rstar_pipelines.dser.evolve import (
     DSERPrompts,
     Judge,
     parse_verdict,
+    problem_bytes,
     run_dser,
 )
 from rstar_pipelines.dser.markov import (
@@ -129,23 +130,26 @@ def per_prompt(llm):
     return sorted((p.max_tokens, p.n, p.seed) for contents, p in llm.calls for _ in contents)
 
 
+SUM_AND_HALF = {
+    "solutions": {
+        "2 + 3": ["So \\boxed{5}", "So \\boxed{6}", "I do not know"],
+        "half of": ["So \\boxed{0.5}", "So \\boxed{2}", "So \\boxed{1/2}"],
+    },
+    # the verifier passes 5 and 0.5 only: a correct 1/2 is refined into itself
+    "passing": ("So \\boxed{5}", "So \\boxed{0.5}"),
+    "refined": {
+        "So \\boxed{5}": "-",
+        "So \\boxed{6}": "So \\boxed{5}",
+        "I do not know": "So \\boxed{5}",
+        "So \\boxed{0.5}": "-",
+        "So \\boxed{2}": "So \\boxed{1/2}",
+        "So \\boxed{1/2}": "So \\boxed{1/2}",
+    },
+}
+
+
 def test_every_phase_of_every_chain_is_sampled_with_its_seed():
-    llm = ScriptedChains(
-        solutions={
-            "2 + 3": ["So \\boxed{5}", "So \\boxed{6}", "I do not know"],
-            "half of": ["So \\boxed{0.5}", "So \\boxed{2}", "So \\boxed{1/2}"],
-        },
-        # the verifier passes 5 and 0.5 only: a correct 1/2 is refined into itself
-        passing=("So \\boxed{5}", "So \\boxed{0.5}"),
-        refined={
-            "So \\boxed{5}": "-",
-            "So \\boxed{6}": "So \\boxed{5}",
-            "I do not know": "So \\boxed{5}",
-            "So \\boxed{0.5}": "-",
-            "So \\boxed{2}": "So \\boxed{1/2}",
-            "So \\boxed{1/2}": "So \\boxed{1/2}",
-        },
-    )
+    llm = ScriptedChains(**SUM_AND_HALF)
     prompts = _templates()
     reported = {}  # problem -> (its run, its seconds, the model calls made by then)
     sum_run, half_run = run_dser(
@@ -208,6 +212,20 @@ def test_every_phase_of_every_chain_is_sampled_with_its_seed():
     # times, one class whose first member (chain 0) is 0.5.
     assert (sum_run.vote_answer, sum_run.vote_share, sum_run.vote_correct) == ("5", 1.0, True)
     assert (half_run.vote_answer, half_run.vote_share, half_run.vote_correct) == ("0.5", 1.0, True)
+
+
+def test_the_memory_budget_bounds_the_problems_open_at_once():
+    """A budget that holds one problem's chains runs the problems one after another, with the
+    same chains as when both run at once (each phase keeps its seed)."""
+    config = _config()
+    one_problem = 1.5 * problem_bytes(config) / 2**20
+    bounded, unbounded = ScriptedChains(**SUM_AND_HALF), ScriptedChains(**SUM_AND_HALF)
+    runs = run_dser(bounded, [SUM, HALF], config, _templates(), Judge(), memory_mb=one_problem)
+    assert runs == run_dser(unbounded, [SUM, HALF], config, _templates(), Judge())
+    assert all(len({"2 + 3" in p for p in prompts}) == 1 for prompts, _ in bounded.asked)
+    assert len(bounded.calls) > len(unbounded.calls)  # the two never shared a call
+    longer = config.model_copy(update={"iterations": 4, "refine_tokens": 2 * REFINE})
+    assert problem_bytes(longer) > problem_bytes(config)
 
 
 def test_no_refine_call_when_every_chain_passes():

@@ -241,10 +241,12 @@ class CapacityFleet:
         return futures
 
     def _answer(self, future: Future, result: list[Completion], n: int) -> None:
-        with self.lock:
-            self.outstanding -= n
+        # The answer first, then its room: a scheduler that sees the room also sees the
+        # answer, whose coroutine asks again before anything new opens.
         if not future.cancelled():
             future.set_result(result)
+        with self.lock:
+            self.outstanding -= n
 
 
 class EveryOrder:
