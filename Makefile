@@ -31,9 +31,10 @@ demo: $(VENV)/.installed
 	mkdir -p $(DAGSTER_HOME)
 	$(BIN)/rstar demo
 
-# Two workers; the tests that share the demo run as one group on one of them (tests/conftest.py).
+# Two workers, a test module each at a time: the tests that share the demo are one module
+# (tests/test_demo.py), so the demo runs once (tests/conftest.py starts it first).
 test: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest -n 2 --dist loadgroup; rc=$$?; \
+	@$(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 dev: $(VENV)/.installed

@@ -119,12 +119,9 @@ def tiny_base(tmp_path_factory, embedded_tokenizer) -> str:
     return str(directory)
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that share the demo run first, as one group (`make test` runs two xdist
-    workers with --dist loadgroup): one worker computes the demo while the other works
-    through the rest, instead of the demo starting last with the other worker idle."""
+    """The tests that share the demo (tests/test_demo.py) first: `make test` runs two xdist
+    workers with --dist loadfile, so one worker computes the demo from the start while the
+    other works through the rest, instead of the demo starting last with the other idle."""
     shares_demo = [item for item in items if "demo" in getattr(item, "fixturenames", ())]
-    for item in shares_demo:
-        item.add_marker(pytest.mark.xdist_group("demo"))
     items[:] = shares_demo + [item for item in items if item not in shares_demo]
