@@ -22,8 +22,9 @@ from rstar_pipelines.cli import main
 from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.problems import seeds_of
 from rstar_pipelines.storage import query
+from tests.fakes.dser import COMPARED_METHODS
 from tests.fakes.repo import DAGSTER, REPO, dagster_cli
-from tests.fakes.servers import free_port
+from tests.fakes.servers import free_port, stop
 
 CHROMIUM = Path("/usr/bin/chromium")
 # As the machine notes say works here: headless, and no background connections (the
@@ -121,11 +122,7 @@ def dagster_dev(chromium, demo, monkeypatch, tmp_path):
             time.sleep(1)
         yield url
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc, timeout_s=60)
         log.close()
         # Its code servers and daemon may outlive it (they run in sessions of their own);
         # they are told apart by the demo's home in their command line.
@@ -318,21 +315,8 @@ def _check_evaluations() -> None:
     # same held-out problems; each with its interval, and paired with round 0.
     rows = query("select * from eval_comparison").to_pylist()
     methods = {(r["round"], r["checkpoint"], r["method"]): r for r in rows}
-    assert set(methods) == {
-        (0, "policy", "greedy"),
-        (0, "policy", "majority_of_4"),
-        (0, "policy", "mcts_majority"),
-        (1, "policy", "greedy"),
-        (1, "policy", "majority_of_4"),
-        (1, "policy", "dser"),
-        (1, "policy+ppm", "mcts_best_q"),
-        (1, "policy+ppm", "mcts_majority"),
-        (1, "grpo_roc", "greedy"),
-        (1, "grpo_roc", "tool"),
-        (1, "attn_gates", "dense"),
-        (1, "attn_gates", "budget_32"),
-        (1, "attn_gates", "budget_64"),
-    }
+    budgets = {(1, "attn_gates", "budget_32"), (1, "attn_gates", "budget_64")}
+    assert set(methods) == COMPARED_METHODS | budgets
     assert len({r["problems"] for r in rows}) == 1 and rows[0]["problems"] >= 1
     assert all(r["tokens_per_problem"] > 0 for r in rows)
     assert all(r["accuracy_low"] <= r["accuracy"] <= r["accuracy_high"] for r in rows)

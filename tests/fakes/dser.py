@@ -79,3 +79,20 @@ class MarkovModel(ScriptedLLM):
 
     def _answer(self, problem, correct):
         return self.gold[problem] if correct else self.rng.choice(self.wrong)
+
+
+# eval_comparison's rows of a one-round pipeline with the declared methods, as (round,
+# checkpoint, method), less the attention gates' token budgets (each pipeline declares its own).
+COMPARED_METHODS = {
+    (0, "policy", "greedy"),
+    (0, "policy", "majority_of_4"),
+    (0, "policy", "mcts_majority"),
+    (1, "policy", "greedy"),
+    (1, "policy", "majority_of_4"),
+    (1, "policy", "dser"),
+    (1, "policy+ppm", "mcts_best_q"),
+    (1, "policy+ppm", "mcts_majority"),
+    (1, "grpo_roc", "greedy"),
+    (1, "grpo_roc", "tool"),
+    (1, "attn_gates", "dense"),
+}

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +11,7 @@ import httpx
 import pytest
 
 from rstar_pipelines.llm import export_embedded_model, load_llm
-from tests.fakes.servers import free_port
+from tests.fakes.servers import free_port, stop
 
 SERVER_READY_TIMEOUT_S = 180
 
@@ -67,20 +65,9 @@ def start_transformers_server(model_dir, log_path: Path) -> tuple[subprocess.Pop
     try:
         _wait_until_ready(server, base_url, log_path)
     except BaseException:
-        stop_server(server)
+        stop(server, timeout_s=15)
         raise
     return server, base_url
-
-
-def stop_server(server: subprocess.Popen) -> None:
-    if server.poll() is not None:
-        return
-    os.killpg(server.pid, signal.SIGTERM)
-    try:
-        server.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
 
 
 @pytest.fixture
@@ -97,7 +84,7 @@ def start_server(served_model_dir, tmp_path):
 
     yield start
     for server, _ in started:
-        stop_server(server)
+        stop(server, timeout_s=15)
 
 
 @pytest.fixture(scope="session")
@@ -108,7 +95,7 @@ def transformers_server(served_model_dir, tmp_path_factory):
     try:
         yield base_url
     finally:
-        stop_server(server)
+        stop(server, timeout_s=15)
 
 
 def _wait_until_ready(server: subprocess.Popen, base_url: str, log_path: Path) -> None:
