@@ -15,4 +15,4 @@ def test_sandbox_resource_runs_jobs_in_an_asset_and_stops_after(monkeypatch):
     assert event.materialization.metadata["outputs"].value == ["3", "7"]
     # The pool was stopped when the step ended: no server process is left (the process
     # backend passes the server's source on its command line, docstring first).
-    assert host_processes_matching(server.__doc__.splitlines()[0]) == []
+    assert host_processes_matching(server.__doc__.splitlines()[0], ours=True) == []

@@ -63,7 +63,23 @@ def materialize_seeds(defs, instance, batch: str):
     )
 
 
-def host_processes_matching(marker: str) -> list[str]:
-    """Command lines of the host's processes that contain `marker`."""
-    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True, check=True).stdout
-    return [line for line in out.splitlines() if marker in line and "ps -eo" not in line]
+def host_processes_matching(marker: str, ours: bool = False) -> list[str]:
+    """Command lines of the host's processes that contain `marker`. With `ours`, only those
+    this process started (its descendants) or left behind (orphans, adopted by pid 1): for a
+    marker that is not unique to the test, since `make test`'s other worker runs its own."""
+    out = subprocess.run(
+        ["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True, check=True
+    ).stdout
+    rows = [line.split(None, 2) for line in out.splitlines() if len(line.split(None, 2)) == 3]
+    parent = {int(pid): int(ppid) for pid, ppid, _ in rows}
+
+    def started_here(pid: int) -> bool:
+        while pid not in (0, 1, os.getpid()):
+            pid = parent.get(pid, 0)
+        return pid != 0
+
+    return [
+        args
+        for pid, _, args in rows
+        if marker in args and "ps -eo" not in args and (not ours or started_here(int(pid)))
+    ]
