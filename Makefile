@@ -32,9 +32,10 @@ demo: $(VENV)/.installed
 	$(BIN)/rstar demo
 
 # Two workers, a test module each at a time: the tests that share the demo are one module
-# (tests/test_demo.py), so the demo runs once (tests/conftest.py starts it first).
+# (tests/test_demo.py), so the demo runs once; in collection order (not biggest module first),
+# where tests/conftest.py puts the demo first.
 test: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest -n 2 --dist loadfile; rc=$$?; \
+	@$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 dev: $(VENV)/.installed
