@@ -113,7 +113,9 @@ class GRPOEvaluation(Stage):
                 finished(j, _outcome(q, trajectory, reward), seconds)
 
             memory_mb = self.params.open_rollouts_memory_mb
-            run_rollouts(llm, sandbox, prompts, 1, config, 0, ended, memory_mb)
+            run_rollouts(
+                llm, sandbox, prompts, 1, config, seed=0, on_done=ended, memory_mb=memory_mb
+            )
 
         return map_problems(ctx, problems, key, run, "rolled out")
 

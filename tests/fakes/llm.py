@@ -241,12 +241,10 @@ class CapacityFleet:
         return futures
 
     def _answer(self, future: Future, result: list[Completion], n: int) -> None:
-        # The answer first, then its room: a scheduler that sees the room also sees the
-        # answer, whose coroutine asks again before anything new opens.
-        if not future.cancelled():
-            future.set_result(result)
         with self.lock:
             self.outstanding -= n
+        if not future.cancelled():
+            future.set_result(result)
 
 
 class EveryOrder:
