@@ -33,9 +33,11 @@ demo: $(VENV)/.installed
 
 # Two workers, a test module each at a time: the tests that share the demo are one module
 # (tests/test_demo.py), so the demo runs once; in collection order (not biggest module first),
-# where tests/conftest.py puts the demo first.
+# where tests/conftest.py puts the demo first. One torch thread a process: two processes whose
+# OpenMP teams each spin on every CPU of the machine slow each other down several times over
+# (docs/benchmarks.md, "`make demo` and `make test`"); the training jobs set their own.
 test: $(VENV)/.installed-dev
-	@$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; \
+	@OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 dev: $(VENV)/.installed

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import closing
+from contextlib import closing, contextmanager
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -63,12 +63,40 @@ def measured(urls, args, wall: float, windows: list[int] | None = None) -> dict:
     return {"wall_s": wall, "windows": windows or [], **figures}
 
 
-def run_client(urls, args, slots: int, *, chat: bool, n: int) -> dict:
+@contextmanager
+def fixed_windows(limit: int | None):
+    """With `limit`: every server's window held at `limit` sequences (the baseline of a window
+    declared per engine), else the adaptive window."""
+    from rstar_pipelines.llm import openai_backend
+    from rstar_pipelines.llm.fleet_window import AdaptiveWindow
+
+    class FixedWindow(AdaptiveWindow):
+        def __init__(self, cap: int | None = None, reports_load: bool = False):
+            super().__init__(cap, reports_load)
+            self.limit, self.growing_fast = limit, False
+
+        def observe(self, load, in_flight: int) -> None:
+            pass
+
+        def decide(self) -> None:
+            pass
+
+    if limit is None:
+        yield
+        return
+    openai_backend.AdaptiveWindow = FixedWindow
+    try:
+        yield
+    finally:
+        openai_backend.AdaptiveWindow = AdaptiveWindow
+
+
+def run_client(urls, args, slots: int, *, chat: bool, n: int, fixed: int | None = None) -> dict:
     from rstar_pipelines.llm import SamplingParams, load_llm
 
     prompts = prompts_for(sequences_for(args, slots) // n, chat)
     params = SamplingParams(n=n, temperature=0.8, max_tokens=args.max_tokens, seed=0)
-    with closing(load_llm("openai", base_url=urls)) as llm:
+    with fixed_windows(fixed), closing(load_llm("openai", base_url=urls)) as llm:
         started = time.perf_counter()
         llm.generate(prompts, params)
         wall = time.perf_counter() - started
@@ -238,11 +266,15 @@ def _write_search_upstream(lake: Path, trees: int, schemas, write_table, pa) -> 
                     lake / f"{name}.parquet")  # fmt: skip
 
 
-def cases_for(engine: str, only: set[str]) -> list[tuple[str, object, dict]]:
+def cases_for(engine: str, only: set[str], fixed: int | None) -> list[tuple[str, object, dict]]:
     cases = []
     if "client" in only:
         cases += [(f"client, {'chat' if chat else 'raw'}, n={n}", run_client,
                    {"chat": chat, "n": n}) for chat, n in ((False, 1), (True, 8))]  # fmt: skip
+        if fixed:
+            cases += [(f"client, fixed window {fixed}, {'chat' if chat else 'raw'}, n={n}",
+                       run_client, {"chat": chat, "n": n, "fixed": fixed})
+                      for chat, n in ((False, 1), (True, 8))]  # fmt: skip
     if "stage" in only:
         cases += [("candidate_solutions (Dagster), chat, n=8", run_stage, {"n": 8})]
     if "mcts" in only and engine == "vllm":
@@ -265,6 +297,9 @@ def main() -> None:
     parser.add_argument("--engine", choices=list(CAPACITY), action="append")
     parser.add_argument("--replicas", type=int, choices=[1, 2], action="append")
     parser.add_argument("--only", choices=["client", "stage", "mcts"], action="append")
+    parser.add_argument(
+        "--fixed-window", type=int, help="client rows with windows held at this many too"
+    )
     args = parser.parse_args()
 
     from rstar_sandbox.bench import machine
@@ -276,7 +311,7 @@ def main() -> None:
             capacity = args.capacity or CAPACITY[engine]
             replica_specs = [(engine, capacity)] * replicas
             with fleet(replica_specs, args.tick_ms / 1000) as urls:
-                for name, run, options in cases_for(engine, only):
+                for name, run, options in cases_for(engine, only, args.fixed_window):
                     figures = run(urls, args, replicas * capacity, **options)
                     row = {"engine": engine, "capacity": capacity, "replicas": replicas,
                            "case": name, **figures}  # fmt: skip
