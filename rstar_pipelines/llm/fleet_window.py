@@ -112,6 +112,7 @@ class AdaptiveWindow:
         self.best: dict[int, float] = {}  # by request size: most tokens/s per sequence in flight
         self.round = 0
         self._recovering_to: int | None = None
+        self._size = 1  # samples of the latest request
         self._new_round()
 
     @property
@@ -140,6 +141,7 @@ class AdaptiveWindow:
             self.limit = max(self.limit, self._capped(START * size))
         self._sent += 1
         self._in_flight_sum += in_flight
+        self._size = size
         self._full = self._full or in_flight + size > self.limit  # the next would not fit
         return self.round
 
@@ -188,7 +190,11 @@ class AdaptiveWindow:
     def observe(self, load: Load, in_flight: int) -> None:
         """The server's load, with `in_flight` sequences of ours there: the window shrinks to
         what is in flight less the queue beyond the standing one (measured from what is in
-        flight, so reports that follow before the queue drains ask for no more), or grows."""
+        flight, so reports that follow before the queue drains ask for no more), or grows. A
+        window that is full now counts as full though nothing was sent since the last report:
+        with several samples a request, answers (and room) come seldom while the server's
+        queue drains."""
+        self._full = self._full or in_flight + self._size > self.limit
         allowance = max(MIN_QUEUE, QUEUE_SHARE * load.running)
         if load.waiting > allowance:
             self.growing_fast = False

@@ -42,6 +42,18 @@ def test_a_reported_queue_shrinks_the_window_and_none_grows_it():
     assert window.limit == before
 
 
+def test_a_window_full_of_held_samples_grows_without_a_request_sent():
+    """Requests of 8 samples: a window full of answers still to come (most of their samples
+    done, held until the last ends) grows while the server shows no queue, though no request
+    went out since the last report (none could)."""
+    window = AdaptiveWindow(reports_load=True)
+    window.sent(in_flight=START * 8, size=8)
+    window.observe(Load(running=100, waiting=40), in_flight=START * 8)  # a queue: no more doubling
+    full = window.limit
+    window.observe(Load(running=60, waiting=0), in_flight=full)  # nothing could be sent
+    assert window.limit > full
+
+
 def test_without_reports_it_grows_per_answer_then_backs_off_a_slower_round():
     window = AdaptiveWindow()
     round_ = window.sent(in_flight=START, size=1)
