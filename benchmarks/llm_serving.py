@@ -232,9 +232,13 @@ def run_search_stage(urls, args, slots: int, *, key: str) -> dict:
         config = mcts_config(args).model_dump(mode="json", exclude={"lockstep"})
         # mcts_eval searches the held-out side: all of it when every group is held out
         doc["heldout"]["fraction"] = 0.0 if key == "mcts_trajectories" else 0.999999
+        paired = next(e["upstream"] for e in doc["assets"] if e["key"] == "eval_comparison")
         for entry in doc["assets"]:
             if entry["key"] == key:
                 entry["params"].update(search=config, max_problems=trees, prompt="bootstrap")
+            elif entry["key"] in paired and "max_problems" in entry.get("params", {}):
+                # the comparison pairs the evaluations over one declared set of problems
+                entry["params"]["max_problems"] = trees
         (assets / "pipeline.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))
         spec = load_spec()
         defs = build_definitions(spec)

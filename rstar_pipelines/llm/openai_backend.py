@@ -339,7 +339,7 @@ class OpenAILLM:
         with self._start_lock:
             if self._loop is None:
                 ready = threading.Event()
-                self._loop = _new_event_loop()
+                self._loop = asyncio.new_event_loop()
                 self._thread = threading.Thread(
                     target=self._run_loop, args=(self._loop, ready), name="openai-llm", daemon=True
                 )
@@ -720,16 +720,6 @@ class OpenAILLM:
             replace(c, completion_tokens=k, tokens_estimated=estimated)
             for c, k in zip(completions, counts, strict=True)
         ]
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    """The client's loop: uvloop's where it is installed (Linux and macOS), whose per-request
-    cost is what bounds the answers one process takes in a second; else asyncio's own."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 def split_count(total: int, weights: Sequence[int]) -> list[int]:
