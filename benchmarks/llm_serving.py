@@ -162,24 +162,7 @@ def mcts_trees(args, slots: int) -> int:
     return max(1, round(args.trees_per_slot * slots))
 
 
-@contextmanager
-def routed_by_load(enabled: bool):
-    """With `enabled`: the client picks servers by load alone, blind to the prefixes it sent
-    each (the baseline of prefix affinity)."""
-    from rstar_pipelines.llm.prefix_routing import PrefixIndex
-
-    matched = PrefixIndex.matched
-    if enabled:
-        PrefixIndex.matched = lambda self, keys: 0
-    try:
-        yield
-    finally:
-        PrefixIndex.matched = matched
-
-
-def run_mcts(
-    urls, args, slots: int, *, lockstep: bool, early: bool = True, by_load: bool = False
-) -> dict:
+def run_mcts(urls, args, slots: int, *, lockstep: bool, early: bool = True) -> dict:
     """The search engine alone (`MCTSSearch.run`, trees opened as the fleet has room)."""
     from mcts import InstantSandbox
 
@@ -188,7 +171,7 @@ def run_mcts(
 
     trees = mcts_trees(args, slots)
     problems = [Problem(f"t{i}", f"What is {i} + 5 - {i}?", "5") for i in range(trees)]
-    with routed_by_load(by_load), closing(load_llm("openai", base_url=urls)) as llm:
+    with closing(load_llm("openai", base_url=urls)) as llm:
         search = MCTSSearch(llm, InstantSandbox(), mcts_config(args, lockstep), descend_early=early)
         search.run(problems, on_tree=lambda i, tree, seconds: None)
         windows = [s["window"] for s in llm.server_stats().values()]
@@ -287,9 +270,7 @@ def _write_search_upstream(lake: Path, trees: int, schemas, write_table, pa) -> 
                     lake / f"{name}.parquet")  # fmt: skip
 
 
-def cases_for(
-    engine: str, replicas: int, only: set[str], fixed: int | None
-) -> list[tuple[str, object, dict]]:
+def cases_for(engine: str, only: set[str], fixed: int | None) -> list[tuple[str, object, dict]]:
     cases = []
     if "client" in only:
         cases += [(f"client, {'chat' if chat else 'raw'}, n={n}", run_client,
@@ -305,9 +286,6 @@ def cases_for(
                   ("MCTS engine, early walk", run_mcts, {"lockstep": False}),
                   ("mcts_trajectories (Dagster)", run_search_stage, {"key": "mcts_trajectories"}),
                   ("mcts_eval (Dagster)", run_search_stage, {"key": "mcts_eval"})]  # fmt: skip
-        if replicas > 1:
-            cases += [("MCTS engine, early walk, routed by load only", run_mcts,
-                       {"lockstep": False, "by_load": True})]  # fmt: skip
     return cases
 
 
@@ -337,7 +315,7 @@ def main() -> None:
             capacity = args.capacity or CAPACITY[engine]
             replica_specs = [(engine, capacity)] * replicas
             with fleet(replica_specs, args.tick_ms / 1000) as urls:
-                for name, run, options in cases_for(engine, replicas, only, args.fixed_window):
+                for name, run, options in cases_for(engine, only, args.fixed_window):
                     figures = run(urls, args, replicas * capacity, **options)
                     row = {"engine": engine, "capacity": capacity, "replicas": replicas,
                            "case": name, **figures}  # fmt: skip
@@ -372,7 +350,7 @@ def print_mcts_table(rows: list[dict]) -> None:
                 for r in rows if r["case"] == "MCTS engine, lock-step"}  # fmt: skip
     header = ["capacity", "replicas", "driver", "trees", "sequences", "wall s",
               "busy (whole run)", "busy until the drain", "of the ceiling", "trees/h",
-              "lock-step trees/h", "x lock-step", "prefix cache hits"]  # fmt: skip
+              "lock-step trees/h", "x lock-step"]  # fmt: skip
     print("\n| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
@@ -381,8 +359,7 @@ def print_mcts_table(rows: list[dict]) -> None:
         print(f"| {r['capacity']} | {r['replicas']} | {r['case']} | {r['trees']} | "
               f"{r['sequences']} | {r['wall_s']:.1f} | {r['busy']:.3f} | "
               f"{r['busy_until_drain']:.3f} | {r['of_perfect']:.3f} | "
-              f"{r['trees_per_hour']:.0f} | {base or 0:.0f} | {ratio} | "
-              f"{r['prefix_hits']:.3f} |")  # fmt: skip
+              f"{r['trees_per_hour']:.0f} | {base or 0:.0f} | {ratio} |")  # fmt: skip
 
 
 if __name__ == "__main__":

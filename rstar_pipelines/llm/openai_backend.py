@@ -27,9 +27,8 @@ How the fleet is used (docs/llm-serving.md):
   finds its capacity (`fleet_window.AdaptiveWindow`): it starts at 16 and grows while the server
   decodes all it gets, read from the engine's `/metrics` (vLLM, SGLang, TGI, llama.cpp) or
   llama.cpp's `/slots` where it answers them, else from the answers' decode speed; it settles
-  with a small queue at the server. `max_concurrency` caps it. New work goes to a server with
-  room; among those about equally loaded, to the one sent the longest prefix of its prompt
-  (`prefix_routing`), so that its prefix cache serves it.
+  with a small queue at the server. `max_concurrency` caps it. New work goes to the least
+  loaded server.
 - 429 and 503 with `Retry-After`: nothing more goes to that server until then, and its window
   halves. Connection errors, 5xx and 429 without it: the server backs off exponentially, its
   window drops to one request until it answers, and the request moves to another server (or
@@ -94,7 +93,6 @@ from .fleet_window import (
     load_from_metrics,
     load_from_slots,
 )
-from .prefix_routing import LOAD_SLACK, PrefixIndex, prefix_keys
 from .types import Completion, Prompt, SamplingParams, is_chat, truncate_at_stop
 
 _RETRIED_STATUS = {429, 500, 502, 503, 504}
@@ -176,7 +174,6 @@ class _Server:
     retries: int = 0
     first_sent: float | None = None
     last_answer: float = 0.0
-    prefixes: PrefixIndex = field(default_factory=PrefixIndex)  # what was sent here
 
     @property
     def root(self) -> str:
@@ -191,7 +188,6 @@ class _Prompt:
     future: Future
     completions: list[Completion | None]
     started: bool = False
-    prefix_keys: list[int] | None = None  # where the fleet has several servers
 
 
 @dataclass(eq=False)
@@ -423,8 +419,6 @@ class OpenAILLM:
                 server.probing_n = True
             server.in_flight += size
             server.first_sent = now if server.first_sent is None else server.first_sent
-            if job.owner.prefix_keys is not None:
-                server.prefixes.add(job.owner.prefix_keys)
             self._start(
                 self._send(
                     server, _Sent(job, size, server.window.sent(server.in_flight, size), now)
@@ -450,10 +444,8 @@ class OpenAILLM:
         return samples if server.honours_n else 1
 
     def _pick(self, job: _Job, now: float) -> _Server | None:
-        """A server with room for the job: of those about as little loaded as the least loaded
-        one, the one sent the longest prefix of its prompt (prefix_routing), then the least
-        loaded; not one it failed on while a healthy server is left (the job then waits for
-        room there)."""
+        """The least loaded server with room for the job; not one it failed on while a healthy
+        server is left (the job then waits for room there)."""
         usable = [s for s in self._servers if s.window is not None]
         if any(s.failures == 0 and s.url not in job.failed_on for s in usable):
             usable = [s for s in usable if s.url not in job.failed_on]
@@ -463,17 +455,7 @@ class OpenAILLM:
             if s.ready_at <= now
             and (s.in_flight == 0 or s.in_flight + self._size(s, job) <= s.window.limit)
         ]
-        owner = job.owner
-        if len(self._servers) > 1 and owner.prefix_keys is None:
-            owner.prefix_keys = prefix_keys(owner.prompt)  # recorded where it goes
-        if len(ready) < 2:
-            return ready[0] if ready else None
-        least = min(s.in_flight / s.window.limit for s in ready)
-        near = [s for s in ready if s.in_flight / s.window.limit <= least + LOAD_SLACK]
-        return max(
-            near,
-            key=lambda s: (s.prefixes.matched(owner.prefix_keys), -s.in_flight / s.window.limit),
-        )
+        return min(ready, key=lambda s: s.in_flight / s.window.limit, default=None)
 
     def server_stats(self) -> dict[str, dict[str, float]]:
         """Per server: its window (sequences in flight at most), requests and sequences

@@ -8,9 +8,6 @@ sampling is: 85% stop between 5% and 40% of max_tokens, 15% run to max_tokens; s
 request seeded s is seeded s + i, so every engine draws the same sequences for the same work.
 The simulation is exact in ticks (a slot freed at tick t takes the next queued sequence at tick
 t, however late the server's loop runs); a request is answered when its last sequence ends.
-Each replica also keeps a prefix cache as vLLM's (blocks of `CACHE_BLOCK_CHARS` characters, each
-keyed by the prefix up to its end) and counts how many of its requests' prompt blocks it had
-seen: prefill itself is not modelled, only the share of it a cache would save.
 
 The engines (`ENGINES`), as real ones differ:
 - "vllm": `/models` says `owned_by: "vllm"`, `n` and `return_token_ids` honoured, running and
@@ -41,11 +38,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from rstar_pipelines.llm.prefix_routing import PrefixIndex, prefix_keys
 from tests.fakes.repo import REPO
-
-# vLLM's cache block is 16 tokens: about 64 characters of text.
-CACHE_BLOCK_CHARS = 64
 
 
 @dataclass(frozen=True)
@@ -80,16 +73,6 @@ class Replica:
         self.arrivals: list[tuple[int, int, int]] = []  # (tick, id, length) of every sequence
         self.requests = 0
         self._ids = 0
-        self.prefixes = PrefixIndex(max_blocks=1 << 22)
-        self.prompt_blocks = self.cached_blocks = 0
-
-    def prefill(self, prompt: str | list) -> None:
-        """Count a request's prompt blocks, and those its prefix cache holds (a request of n
-        samples prefills its prompt once)."""
-        keys = prefix_keys(prompt, CACHE_BLOCK_CHARS)
-        self.prompt_blocks += len(keys)
-        self.cached_blocks += self.prefixes.matched(keys)
-        self.prefixes.add(keys)
 
     def now(self) -> int:
         return int((time.monotonic() - self.origin) / self.tick_s)
@@ -137,8 +120,7 @@ class Replica:
 
     def stats(self) -> dict:
         return {"spans": self.spans, "arrivals": self.arrivals, "batch": self.batch,
-                "requests": self.requests, "prompt_blocks": self.prompt_blocks,
-                "cached_blocks": self.cached_blocks}  # fmt: skip
+                "requests": self.requests}  # fmt: skip
 
 
 def sequence_length(key: str, max_tokens: int) -> int:
@@ -198,7 +180,6 @@ async def handle(replica: Replica, body: dict | None, path: str) -> tuple[int, d
 async def complete(replica: Replica, body: dict, n: int) -> dict:
     chat = "messages" in body
     prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-    replica.prefill(body["messages"] if chat else prompt)
     seed = body.get("seed") or 0
     lengths = [sequence_length(f"{prompt}|{seed + i}", body["max_tokens"]) for i in range(n)]
     await asyncio.gather(*(replica.add(length) for length in lengths))
@@ -286,8 +267,7 @@ def busy_fraction(stats: list[dict], tick_s: float) -> dict:
     end (`busy`, the whole run), and to the last sequence's start (`busy_until_drain`: after
     it the fleet can only drain, whoever drives it). `perfect`: the busy fraction of a perfect
     client on the same sequences (every one at a server when the first arrives, in the order
-    they arrived, on the fleet's slots as one first-come queue), and `of_perfect` the ratio.
-    `prefix_hits`: the share of the requests' prompt blocks the replicas' prefix caches held."""
+    they arrived, on the fleet's slots as one first-come queue), and `of_perfect` the ratio."""
     spans = [s for st in stats for s in st["spans"]]
     capacity = sum(st["batch"] for st in stats)
     first = min(a[0] for st in stats for a in st["arrivals"])
@@ -305,9 +285,7 @@ def busy_fraction(stats: list[dict], tick_s: float) -> dict:
     whole = busy(last_end)
     return {"busy": whole, "busy_until_drain": busy(last_start), "perfect": perfect,
             "of_perfect": whole / perfect, "tokens": tokens, "sim_s": (last_end - first) * tick_s,
-            "sequences": len(spans), "requests": sum(st["requests"] for st in stats),
-            "prefix_hits": sum(st["cached_blocks"] for st in stats)
-            / max(1, sum(st["prompt_blocks"] for st in stats))}  # fmt: skip
+            "sequences": len(spans), "requests": sum(st["requests"] for st in stats)}  # fmt: skip
 
 
 def main() -> None:
