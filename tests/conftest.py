@@ -120,16 +120,8 @@ def tiny_base(tmp_path_factory, embedded_tokenizer) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that share the demo (tests/test_demo.py) first, then the modules with a slow
-    test, then the rest: `make test` runs two xdist workers with --dist loadfile, so one worker
-    computes the demo from the start while the other works through the rest, and the short
-    modules come last, where they fill in until both workers are done, instead of one worker
-    finishing a long module alone."""
-    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-
-    def rank(item: pytest.Item) -> int:
-        if "demo" in getattr(item, "fixturenames", ()):
-            return 0
-        return 1 if item.path in slow_modules else 2
-
-    items.sort(key=rank)  # stable: each module's tests stay together and in order
+    """The tests that share the demo (tests/test_demo.py) first: `make test` runs two xdist
+    workers with --dist loadfile, so one worker computes the demo from the start while the
+    other works through the rest, instead of the demo starting last with the other idle."""
+    shares_demo = [item for item in items if "demo" in getattr(item, "fixturenames", ())]
+    items[:] = shares_demo + [item for item in items if item not in shares_demo]
