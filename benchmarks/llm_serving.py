@@ -4,13 +4,14 @@ through the client, through `candidate_solutions` in Dagster, and MCTS trees/hou
 reference's lock-step schedule.
 
     python benchmarks/llm_serving.py [--tick-ms 50] [--max-tokens 128] [--fill 12]
-        [--engine vllm --engine llama.cpp ...] [--only client|stage|mcts]
+        [--engine vllm --engine llama.cpp ...] [--only client|stage|mcts] [--fixed-window 1024]
 
 The fleet is simulated on loopback in a process of its own (tests/fakes/simulated_engines.py): vLLM
 (token ids, load on `/metrics`), an engine that answers `n` choices with usage only, one that
 ignores `n`, and llama.cpp with 4 slots that queues the rest (`/slots`), each with its own
 capacity (`CAPACITY`), never told to the client. Every run uses the client's defaults (no
-window or `n` setting given).
+window or `n` setting given); `--fixed-window` adds client rows with every window held at that
+many sequences, the baseline the adaptive window is measured against.
 
 Busy fraction = tokens decoded / (replicas x capacity x ticks), from the first request's
 arrival to the last sequence's end: the drain at the end of a finite workload counts against it
