@@ -44,6 +44,9 @@ def math500() -> Path:
     return path
 
 
+DEMO_TIMEOUT_S = 3600
+
+
 @dataclass(frozen=True)
 class DemoRun:
     """What `rstar demo` left: its Dagster home, its data directory and its console."""
@@ -76,7 +79,12 @@ def demo(tmp_path_factory) -> DemoRun:
     home.mkdir()
     env = {**os.environ, "DAGSTER_HOME": str(home), "RSTAR_DATA_DIR": str(data)}
     proc = subprocess.run(
-        [RSTAR, "demo"], cwd=REPO, env=env, capture_output=True, text=True, timeout=3600
+        [RSTAR, "demo"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEMO_TIMEOUT_S,
     )
     return DemoRun(home, data, proc.returncode, proc.stdout + proc.stderr)
 
@@ -124,4 +132,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     workers with --dist loadfile, so one worker computes the demo from the start while the
     other works through the rest, instead of the demo starting last with the other idle."""
     shares_demo = [item for item in items if "demo" in getattr(item, "fixturenames", ())]
+    for item in shares_demo:  # the first of them computes the demo, up to its own limit
+        item.add_marker(pytest.mark.timeout(DEMO_TIMEOUT_S + 300))
     items[:] = shares_demo + [item for item in items if item not in shares_demo]
