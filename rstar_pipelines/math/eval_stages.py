@@ -17,7 +17,11 @@ from rstar_pipelines.math.evaluation import (
     greedy_config,
     top_answers_vote,
 )
-from rstar_pipelines.math.search_stages import SearchStage, SearchStageParams, search_trees
+from rstar_pipelines.math.search_stages import (
+    SearchStage,
+    SearchStageParams,
+    search_trees_side_by_side,
+)
 from rstar_pipelines.pipeline.generation import CheckpointModels, checkpoint_path
 from rstar_pipelines.pipeline.plots import markdown_table
 from rstar_pipelines.pipeline.stage import Markdown, StageContext, StageResult
@@ -62,8 +66,9 @@ class MCTSEvaluation(SearchStage):
         policy = checkpoint_path(inputs, "policy_checkpoint")
         guided = CheckpointModels(self, ctx, policy, checkpoint_path(inputs, "ppm_checkpoint"))
         plain = CheckpointModels(self, ctx, policy, None)
-        greedy = search_trees(self, ctx, problems, plain, greedy_config(p.search), gold=False)
-        searched = search_trees(self, ctx, problems, guided, p.search, gold=False)
+        greedy, searched = search_trees_side_by_side(
+            self, ctx, problems, [(plain, greedy_config(p.search)), (guided, p.search)], gold=False
+        )
         rows = [
             {
                 **evaluated_row(problem, p.round),

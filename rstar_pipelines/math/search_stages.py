@@ -4,6 +4,7 @@ tree), ppm_pairs and sft_dataset."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from statistics import fmean
 from typing import ClassVar, Literal
@@ -13,6 +14,7 @@ from pydantic import Field
 
 from rstar_pipelines.heldout import HeldoutSplit
 from rstar_pipelines.llm.coroutines import OPEN_MEMORY_MB
+from rstar_pipelines.llm.types import serves_each_request
 from rstar_pipelines.math.mcts import (
     MCTSConfig,
     MCTSSearch,
@@ -149,6 +151,24 @@ def search_trees(
         seconds=[item["seconds"] for item in stored],
         stats=searcher[0].stats.as_dict() if searcher else {},
     )
+
+
+def search_trees_side_by_side(
+    stage: Stage,
+    ctx: StageContext,
+    problems: list[VerifiedProblem],
+    searches: list[tuple[CheckpointModels, MCTSConfig]],
+    gold: bool,
+) -> list[SearchRun]:
+    """`search_trees` for each (models, config) of `searches` over the same problems. Over a
+    fleet they run at once, a thread each: one search's last long trees would otherwise leave
+    the fleet idle while the next waits to start. Over an in-process model one after another:
+    its batcher runs together only prompts of equal sampling, so nothing would be shared."""
+    if not all(serves_each_request(models.policy()) for models, _ in searches):
+        return [search_trees(stage, ctx, problems, m, c, gold) for m, c in searches]
+    with ThreadPoolExecutor(len(searches)) as pool:
+        running = [pool.submit(search_trees, stage, ctx, problems, m, c, gold) for m, c in searches]
+        return [future.result() for future in running]
 
 
 class SearchStage(Stage):

@@ -52,11 +52,13 @@ def is_postgres(location: str | os.PathLike) -> bool:
 
 
 class SQLiteStore:
-    """One file (WAL: readers never wait for the writer)."""
+    """One file (WAL: readers never wait for the writer). Threads of one stage may share it
+    (searches side by side): one statement or transaction at a time on its connection."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, timeout=60, check_same_thread=False)
+        self._lock = threading.Lock()
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS items (fingerprint TEXT PRIMARY KEY, value TEXT NOT NULL)"
@@ -64,16 +66,17 @@ class SQLiteStore:
 
     def get_many(self, keys: Sequence[str]) -> dict[str, str]:
         found = {}
-        for key in keys:
-            row = self._db.execute(
-                "SELECT value FROM items WHERE fingerprint = ?", (key,)
-            ).fetchone()
-            if row is not None:
-                found[key] = row[0]
+        with self._lock:
+            for key in keys:
+                row = self._db.execute(
+                    "SELECT value FROM items WHERE fingerprint = ?", (key,)
+                ).fetchone()
+                if row is not None:
+                    found[key] = row[0]
         return found
 
     def put(self, key: str, value: str) -> None:
-        with self._db:  # one transaction per item: committed before the next starts
+        with self._lock, self._db:  # one transaction per item: committed before the next starts
             self._db.execute(
                 "INSERT OR REPLACE INTO items (fingerprint, value) VALUES (?, ?)", (key, value)
             )

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Any, TypeVar
@@ -44,6 +45,7 @@ class ItemCache:
         self._store = open_store(location)
         self.hits = 0
         self.misses = 0
+        self._counting = threading.Lock()  # searches side by side share the cache
 
     def _stored_key(self, key: str) -> str:
         return fingerprint(self.namespace, key)
@@ -53,6 +55,11 @@ class ItemCache:
         stored = self._stored_key(key)
         value = self._store.get_many([stored]).get(stored)
         return None if value is None else json.loads(value)
+
+    def _count(self, hits: int, misses: int) -> None:
+        with self._counting:
+            self.hits += hits
+            self.misses += misses
 
     def put(self, key: str, value: Any) -> None:
         self._store.put(self._stored_key(key), json.dumps(value, ensure_ascii=False))
@@ -71,8 +78,7 @@ class ItemCache:
         stored = self._store.get_many(stored_keys)
         results: list[Any] = [json.loads(stored[s]) if s in stored else None for s in stored_keys]
         todo = [i for i, r in enumerate(results) if r is None]
-        self.hits += len(items) - len(todo)
-        self.misses += len(todo)
+        self._count(len(items) - len(todo), len(todo))
         with progress.track(len(todo), cached=len(items) - len(todo)) as task:
             for start in range(0, len(todo), chunk):
                 batch = todo[start : start + chunk]
@@ -104,8 +110,7 @@ class ItemCache:
                 waiting.setdefault(keys[i], []).append(i)
         todo = list(waiting.values())
         missing = sum(len(same) for same in todo)
-        self.hits += len(items) - missing
-        self.misses += missing
+        self._count(len(items) - missing, missing)
         if not todo:
             return results
         with progress.track(len(todo), cached=len(items) - missing) as task:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -96,6 +97,12 @@ def check_launch(config: RunConfig, train_settings: Any) -> None:
             raise BadInput(str(error)) from error
 
 
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def _missing(module: str) -> bool:
     from importlib.util import find_spec
 
@@ -111,7 +118,9 @@ def accelerate_command(config_path: Path, config: RunConfig) -> list[str]:
         command += ["--config_file", str(path)]
     elif launch.processes > 1:
         # torchrun starts the processes; without a GPU each one is a gloo rank on the CPU.
-        command += ["--multi_gpu", "--num_machines", "1"]
+        # Its rendezvous gets a free port: on the default one, two jobs on one host would
+        # meet in one store and wait for each other's ranks.
+        command += ["--multi_gpu", "--num_machines", "1", "--main_process_port", str(_free_port())]
     else:
         command += ["--num_machines", "1"]
     command += [

@@ -228,16 +228,15 @@ class CapacityFleet:
         for prompt in prompts:
             future: Future = Future()
             futures.append(future)
-            try:
-                result, _ = fleet_answer(self.llm, self.asked, prompt, params)
-            except KeyError as exc:
-                future.set_exception(exc)
-                continue
-            with self.lock:
+            with self.lock:  # searches side by side submit from threads of their own
+                try:
+                    result, _ = fleet_answer(self.llm, self.asked, prompt, params)
+                except KeyError as exc:
+                    future.set_exception(exc)
+                    continue
                 self.outstanding += params.n
-            threading.Timer(
-                self.random.uniform(0, self.delay_s), self._answer, (future, result, params.n)
-            ).start()
+                delay_s = self.random.uniform(0, self.delay_s)
+            threading.Timer(delay_s, self._answer, (future, result, params.n)).start()
         return futures
 
     def _answer(self, future: Future, result: list[Completion], n: int) -> None:

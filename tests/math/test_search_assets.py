@@ -18,7 +18,7 @@ from rstar_pipelines.llm import load_llm
 from rstar_pipelines.llm.value_model import ProcessPreferenceModel
 from rstar_pipelines.materialize import run_waves
 from rstar_pipelines.math.mcts import MCTSConfig, open_trees_bound
-from rstar_pipelines.math.search_stages import search_trees
+from rstar_pipelines.math.search_stages import search_trees, search_trees_side_by_side
 from rstar_pipelines.math.steps import PREAMBLE
 from rstar_pipelines.pipeline.generation import CheckpointModels
 from rstar_pipelines.pipeline.item_cache import ItemCache
@@ -46,6 +46,11 @@ def _search_stage(tmp_path, monkeypatch, policy, problems=PROBLEMS, serve=None, 
     """search_trees as mcts_trajectories runs it (with `params` over the declared ones), over
     `policy` (or `serve`, an LLM in front of it), the process sandbox and an item cache that
     logs each commit into the policy's events."""
+    stage, ctx, models = _stage_context(tmp_path, monkeypatch, policy, serve, **params)
+    return lambda: search_trees(stage, ctx, problems, models, SEARCH, gold=True), ctx
+
+
+def _stage_context(tmp_path, monkeypatch, policy, serve, **params):
     stage = load_spec(REPO / "assets" / "pipeline.yaml").by_key["mcts_trajectories"].stage()
     stage.params = stage.params.model_copy(update=params)
     put = ItemCache.put
@@ -66,8 +71,48 @@ def _search_stage(tmp_path, monkeypatch, policy, problems=PROBLEMS, serve=None, 
         cache_path=tmp_path / "cache.db",
         cache_namespace=stage.cache_namespace(),
     )
-    models = CheckpointModels(stage, ctx, None, None)
-    return lambda: search_trees(stage, ctx, problems, models, SEARCH, gold=True), ctx
+    return stage, ctx, CheckpointModels(stage, ctx, None, None)
+
+
+class FleetsByTemperature:
+    """Two fleets behind one client: greedy requests to `cold`, the rest to `warm`, so that
+    each search's samples come in its own order; `sent` is the temperature of each request."""
+
+    def __init__(self, cold: CapacityFleet, warm: CapacityFleet):
+        self.cold, self.warm, self.name = cold, warm, cold.name
+        self.sent: list[float] = []
+
+    def generate(self, prompts, params):
+        return [future.result() for future in self.submit(prompts, params)]
+
+    def submit(self, prompts, params):
+        self.sent += [params.temperature] * len(prompts)
+        return (self.cold if params.temperature == 0 else self.warm).submit(prompts, params)
+
+    def spare_capacity(self) -> int:
+        return min(self.cold.spare_capacity(), self.warm.spare_capacity())
+
+
+def test_searches_of_one_stage_share_a_fleet_at_once(tmp_path, monkeypatch):
+    """mcts_eval's greedy pass and its search over a fleet: the two searches' requests go out
+    side by side, not one search after the other, and each finds the trees it finds alone."""
+    problems = [
+        VerifiedProblem(f"q{i}", f"q{i}", f"q{i}", "b1", "math", q, "5")
+        for i, q in enumerate(QUESTIONS)
+    ]
+    policy = StepPolicy(scripts=dict.fromkeys(QUESTIONS, SCRIPT))
+    fleets = FleetsByTemperature(CapacityFleet(policy, capacity=12), CapacityFleet(policy, 12))
+    stage, ctx, models = _stage_context(tmp_path, monkeypatch, policy, fleets)
+    cold = SEARCH.model_copy(update={"temperature": 0.0})
+    greedy, searched = search_trees_side_by_side(
+        stage, ctx, problems, [(models, cold), (models, SEARCH)], gold=True
+    )
+    ctx.close()
+    switches = sum(a != b for a, b in zip(fleets.sent, fleets.sent[1:], strict=False))
+    assert switches > 2, fleets.sent  # one after the other would switch once
+    alone, *_ = _search_stage(tmp_path / "alone", monkeypatch, StepPolicy(), PROBLEMS[:1])
+    expected = state(alone().trees[0])
+    assert all(state(t) == expected for t in greedy.trees + searched.trees)
 
 
 def test_a_tree_is_committed_as_soon_as_it_ends(tmp_path, monkeypatch, sandbox):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,18 @@ def test_untold_the_processes_share_the_machines_cpus(tmp_path):
     assert threads() == str(cpus)
     assert threads(launch={"processes": 2}) == str(max(1, cpus // 2))
     assert threads(num_threads=3) == "3"
+
+
+def test_a_multi_process_job_meets_its_ranks_on_a_free_port(tmp_path):
+    """Not torchrun's default port 29500, where two jobs on one host would share a store."""
+    config = RunConfig(
+        job="sft", base_model="base", data=tmp_path, output_dir=tmp_path, launch={"processes": 2}
+    )
+    command = accelerate_command(tmp_path / "config.json", config)
+    port = int(command[command.index("--main_process_port") + 1])
+    assert port != 29500
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", port))
 
 
 def _descendants(pid: int) -> list[int]:
