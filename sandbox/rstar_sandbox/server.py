@@ -101,8 +101,8 @@ EXIT_REPORT = struct.Struct("=iddq")
 # open files, then the code (UTF-8). Unpacking it costs the child next to nothing.
 JOB_SPEC = struct.Struct("=qqqqq")
 LEFTOVER_GRACE_S = 5.0
-# The lean zygote's real and saved uid: not root's and no job's (Docker workers run jobs
-# as 10001 + their index, the process backend as nobody). Signals need the sender's real
+# The lean zygote's real and saved uid: not root's and no job's (workers run jobs as a uid
+# of their own from 10001 up: workers.JOB_UIDS). Signals need the sender's real
 # or effective uid to match the target's real or saved one.
 LEAN_ZYGOTE_UID = 10000
 # An import statement at the start of a line: `import a.b as c, d` or `from a.b import c`.

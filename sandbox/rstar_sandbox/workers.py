@@ -6,6 +6,7 @@ them the same way; they differ only in how the server is started and stopped.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -24,9 +25,39 @@ SERVER_FILE = Path(__file__).with_name("server.py")
 CONTAINER_SERVER = "/opt/rstar/server.py"
 CONTAINER_SOCKET_DIR = "/run/rstar"
 OWNER_LABEL = "rstar-sandbox.owner"
-BASE_UID = 10001
-NOBODY = 65534
+# The uids jobs run as, one per worker on the host (the image's sandbox user is the first).
+# RLIMIT_NPROC counts a user's processes over the whole kernel, containers included: workers
+# sharing a uid share the limit, and one worker's jobs would fail to fork (EAGAIN) while
+# another's run. Below 65536, which a user-namespaced Docker daemon maps.
+JOB_UIDS = range(10001, 10001 + 4096)
+UID_LOCKS = Path(tempfile.gettempdir()) / "rstar-sandbox-uids"
 log = logging.getLogger("rstar_sandbox")
+
+
+class JobUid:
+    """A uid of JOB_UIDS no other worker on this host holds: a lock file per uid, taken
+    without waiting, held while the worker lives (the kernel drops it if its holder dies)."""
+
+    def __init__(self):
+        UID_LOCKS.mkdir(mode=0o700, exist_ok=True)
+        for uid in JOB_UIDS:
+            fd = os.open(UID_LOCKS / f"{uid}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.uid, self._fd = uid, fd
+            return
+        raise RuntimeError(
+            f"every job uid of {JOB_UIDS.start}-{JOB_UIDS.stop - 1} is held by a sandbox "
+            f"worker on this host (locks in {UID_LOCKS})"
+        )
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class WorkerDied(RuntimeError):
@@ -66,6 +97,9 @@ class Worker:
                     closer.close()
                 except OSError:
                     pass
+        job_uid = getattr(self, "job_uid", None)
+        if job_uid is not None:
+            job_uid.release()
 
 
 def locked_down(tmpfs_mb: int) -> dict:
@@ -105,15 +139,15 @@ class DockerWorker(Worker):
         start_timeout_s: float,
     ):
         self.name = f"docker-worker-{index}"
+        self.job_uid = JobUid()
         self._socket_dir = tempfile.mkdtemp(prefix="rstar-sandbox-")
         os.chmod(self._socket_dir, 0o777)  # the container's root creates the socket here
         command = [
             "python3",
             "-I",
             CONTAINER_SERVER,
-            # A uid per worker: RLIMIT_NPROC counts per user.
             "--job-uid",
-            str(BASE_UID + index),
+            str(self.job_uid.uid),
             "--listen",
             f"{CONTAINER_SOCKET_DIR}/server.sock",
             "--preload",
@@ -181,8 +215,8 @@ _warned_process_backend = False
 
 
 def default_interpreter() -> str:
-    """Debian's python3 when there is one: jobs run as nobody, who may not be able to
-    read an interpreter installed under a private home (pyenv under /root, say)."""
+    """Debian's python3 when there is one: jobs run as a user of their own, who may not be
+    able to read an interpreter installed under a private home (pyenv under /root, say)."""
     return "/usr/bin/python3" if os.access("/usr/bin/python3", os.X_OK) else sys.executable
 
 
@@ -215,8 +249,9 @@ class ProcessWorker(Worker):
     """The same server as a host process in fresh namespaces: no network, its own PID
     namespace, the host's file system read-only, one size-capped tmpfs of its own for
     /tmp and /dev/shm paid from each job's memory, the same rlimits, and a syscall
-    filter against keyrings and user namespaces. Started as root, jobs run as nobody;
-    otherwise as the caller inside a user namespace, with every capability dropped.
+    filter against keyrings and user namespaces. Started as root, jobs run as a uid of
+    this worker's own (JobUid); otherwise as the caller inside a user namespace, with
+    every capability dropped.
     Weaker than a container: the host's files are readable where "others" may read
     them, and there is no memory or pids cgroup."""
 
@@ -241,7 +276,8 @@ class ProcessWorker(Worker):
         self.name = f"process-worker-{index}"
         server_args = ["--own-mounts", str(tmpfs_mb), "--syscall-filter"]
         if os.geteuid() == 0:
-            server_args += ["--job-uid", str(NOBODY)]
+            self.job_uid = JobUid()
+            server_args += ["--job-uid", str(self.job_uid.uid)]
         server_args += ["--preload", ",".join(preload)]
         host_end, server_end = socket.socketpair()
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "LANG": "C.UTF-8"}
@@ -254,6 +290,9 @@ class ProcessWorker(Worker):
                 env=env,
                 start_new_session=True,
             )
+        except BaseException:
+            Worker.close(self)  # the uid goes back
+            raise
         finally:
             server_end.close()
         self._connect(host_end)

@@ -434,3 +434,30 @@ def test_a_running_job_shares_its_worker_with_no_other_process(backend, first_li
         count, uids = result.stdout.split(" ", 1)
         assert result.status == OK and int(count) == servers + 1, result.stdout
         assert json.loads(uids)[:servers] == [0] * servers, result.stdout  # root's
+
+
+HOLD_PROCESSES = """
+import subprocess, sys, time
+count = int(sys.stdin.read())
+held = [subprocess.Popen(["sleep", "30"]) for _ in range(count)]
+print(len(held), flush=True)
+time.sleep(3)
+"""
+
+
+def test_a_pool_at_its_process_limit_leaves_another_pools_jobs_their_own(backend):
+    """RLIMIT_NPROC counts a user's processes over the whole kernel, containers included:
+    while a job of one pool holds all the processes a job may have, a job of a second pool
+    on the host still starts its own (each worker runs its jobs as a uid of its own)."""
+    limit = Job(code="").max_processes
+    fork = "import subprocess\nprint(subprocess.run(['true']).returncode)"
+    with Sandbox(backend=backend, workers=1) as one, Sandbox(backend=backend, workers=1) as two:
+        holder: list = []
+        hold = Job(code=HOLD_PROCESSES, stdin=str(limit - 2), timeout_s=20)
+        thread = threading.Thread(target=lambda: holder.extend(one.run([hold])))
+        thread.start()
+        time.sleep(1.5)  # the holder's processes are up
+        [forked] = two.run([Job(code=fork)])
+        thread.join()
+    assert (holder[0].status, holder[0].stdout) == (OK, f"{limit - 2}\n"), holder[0]
+    assert (forked.status, forked.stdout) == (OK, "0\n"), forked
