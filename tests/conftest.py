@@ -128,14 +128,12 @@ def tiny_base(tmp_path_factory, embedded_tokenizer) -> str:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The tests that share the demo (tests/test_demo.py) first, then the modules with a slow
-    test, then the rest, each in collection order: `make test` runs two xdist workers with
-    --dist loadfile, so one worker computes the demo from the start while the other works
-    through the long modules, and the run ends on short ones, the two workers done together."""
+    """The tests that share the demo (tests/test_demo.py) first: `make test` runs xdist
+    workers with --dist loadfile, so one worker computes the demo from the start while the
+    others work through the rest, instead of the demo starting last with the others idle.
+    The demo is the longest path: the rest keep their order, short modules among the long
+    ones, which slow it less than the long ones together (docs/benchmarks.md)."""
     shares_demo = [item for item in items if "demo" in getattr(item, "fixturenames", ())]
     for item in shares_demo:  # the first of them computes the demo, up to its own limit
         item.add_marker(pytest.mark.timeout(DEMO_TIMEOUT_S + 300))
-    slow_modules = {item.path for item in items if item.get_closest_marker("slow")}
-    rest = [item for item in items if item not in shares_demo]
-    slow = [item for item in rest if item.path in slow_modules]
-    items[:] = shares_demo + slow + [item for item in rest if item.path not in slow_modules]
+    items[:] = shares_demo + [item for item in items if item not in shares_demo]
