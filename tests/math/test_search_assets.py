@@ -110,8 +110,9 @@ def test_searches_of_one_stage_share_a_fleet_at_once(tmp_path, monkeypatch):
     ctx.close()
     switches = sum(a != b for a, b in zip(fleets.sent, fleets.sent[1:], strict=False))
     assert switches > 2, fleets.sent  # one after the other would switch once
-    alone, *_ = _search_stage(tmp_path / "alone", monkeypatch, StepPolicy(), PROBLEMS[:1])
+    alone, alone_ctx = _search_stage(tmp_path / "alone", monkeypatch, StepPolicy(), PROBLEMS[:1])
     expected = state(alone().trees[0])
+    alone_ctx.close()
     assert all(state(t) == expected for t in greedy.trees + searched.trees)
 
 
