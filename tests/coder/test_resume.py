@@ -11,7 +11,7 @@ import time
 import dagster as dg
 import pytest
 
-from tests.fakes.repo import DAGSTER, REPO, pipeline_copy
+from tests.fakes.repo import DAGSTER, IN_PROCESS_RUN, REPO, pipeline_copy
 
 MATH = [f"What is {a} plus {b}?" for a, b in [(2, 3), (4, 4), (10, 7), (6, 9), (12, 30), (8, 1)]]
 
@@ -27,6 +27,8 @@ def _materialize_command(selection: str) -> list[str]:
         "r",
         "-m",
         "rstar_pipelines.definitions",
+        "--config-json",
+        IN_PROCESS_RUN,
     ]
 
 

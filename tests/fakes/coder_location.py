@@ -12,7 +12,7 @@ from rstar_pipelines.definitions import build_definitions
 from rstar_pipelines.sandbox_resource import SandboxResource
 from tests.fakes.coder import CODER, scripted_spec
 from tests.fakes.llm import ScriptedLLMResource
-from tests.fakes.repo import REPO
+from tests.fakes.repo import IN_PROCESS_RUN, REPO
 
 __all__ = ["defs", "materialize", "scripted_definitions"]
 
@@ -33,12 +33,16 @@ def scripted_definitions() -> dg.Definitions:
 defs = scripted_definitions()
 
 
-def materialize(env: dict, selection: list[str], batch: str) -> subprocess.Popen:
+def materialize(
+    env: dict, selection: list[str], batch: str, in_process: bool = False
+) -> subprocess.Popen:
     """`dagster asset materialize` of this code location in a process of its own (the
-    profile is the one `env` sets); its output in `.stdout`."""
+    profile is the one `env` sets; `in_process`: every step in that process, under the
+    local profile's executor); its output in `.stdout`."""
     dagster = str(Path(sys.executable).parent / "dagster")
+    config = ["--config-json", IN_PROCESS_RUN] if in_process else []
     return subprocess.Popen(
         [dagster, "asset", "materialize", "--select", ",".join(selection), "--partition", batch,
-         "-m", __name__],
+         "-m", __name__, *config],
         env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip

@@ -17,6 +17,9 @@ DEMO_SEEDS = REPO / "assets" / "seeds" / "demo" / "demo.jsonl"
 # The `dagster` and `rstar` commands of this environment.
 DAGSTER = os.path.join(os.path.dirname(sys.executable), "dagster")
 RSTAR = os.path.join(os.path.dirname(sys.executable), "rstar")
+# Run config for the local profile's executor that keeps every step of a run in the run's
+# process: no interpreter start per step.
+IN_PROCESS_RUN = '{"execution": {"config": {"in_process": {}}}}'
 
 
 def pipeline_copy(directory: Path, params: dict[str, dict]) -> Path:

@@ -1,4 +1,5 @@
-"""Two partitions materialized at once by two processes: their item caches never share a
+"""Two partitions materialized at once by two processes (each run's steps in its own
+process: what is shared is between the runs): their item caches never share a
 file (one SQLite file per asset partition) or share Postgres, so no "database is
 locked" and no lost cache entries."""
 
@@ -29,7 +30,7 @@ def cache_misses(instance: dg.DagsterInstance, batch: str) -> dict[str, int]:
 
 
 def both_at_once(env: dict, batches: list[str]) -> None:
-    procs = [materialize(env, ASSETS, batch) for batch in batches]
+    procs = [materialize(env, ASSETS, batch, in_process=True) for batch in batches]
     logs = [proc.communicate(timeout=600)[0] for proc in procs]
     for proc, log in zip(procs, logs, strict=True):
         assert proc.returncode == 0, log[-5000:]
