@@ -5,6 +5,7 @@ reference's lock-step schedule.
 
     python benchmarks/llm_serving.py [--tick-ms 50] [--max-tokens 128] [--fill 12]
         [--engine vllm --engine llama.cpp ...] [--only client|stage|mcts] [--fixed-window 1024]
+        [--trees-per-slot 1] [--rollouts-in-flight 4]
 
 The fleet is simulated on loopback in a process of its own (tests/fakes/simulated_engines.py): vLLM
 (token ids, load on `/metrics`), an engine that answers `n` choices with usage only, one that
@@ -152,18 +153,21 @@ def run_stage(urls, args, slots: int, *, n: int) -> dict:
     return measured(urls, args, wall)
 
 
-def mcts_config(args, lockstep: bool = False):
+def mcts_config(args, lockstep: bool = False, in_flight: int = 1):
     from rstar_pipelines.math.mcts import MCTSConfig
 
     return MCTSConfig(rollouts=4, width=4, max_depth=6, errors_threshold=1,
-                      max_tokens=args.max_tokens, seed=0, lockstep=lockstep)  # fmt: skip
+                      max_tokens=args.max_tokens, seed=0, lockstep=lockstep,
+                      rollouts_in_flight=in_flight)  # fmt: skip
 
 
 def mcts_trees(args, slots: int) -> int:
     return max(1, round(args.trees_per_slot * slots))
 
 
-def run_mcts(urls, args, slots: int, *, lockstep: bool, early: bool = True) -> dict:
+def run_mcts(
+    urls, args, slots: int, *, lockstep: bool, early: bool = True, in_flight: int = 1
+) -> dict:
     """The search engine alone (`MCTSSearch.run`, trees opened as the fleet has room)."""
     from mcts import InstantSandbox
 
@@ -173,7 +177,8 @@ def run_mcts(urls, args, slots: int, *, lockstep: bool, early: bool = True) -> d
     trees = mcts_trees(args, slots)
     problems = [Problem(f"t{i}", f"What is {i} + 5 - {i}?", "5") for i in range(trees)]
     with closing(load_llm("openai", base_url=urls)) as llm:
-        search = MCTSSearch(llm, InstantSandbox(), mcts_config(args, lockstep), descend_early=early)
+        config = mcts_config(args, lockstep, in_flight)
+        search = MCTSSearch(llm, InstantSandbox(), config, descend_early=early)
         search.run(problems, on_tree=lambda i, tree, seconds: None)
         windows = [s["window"] for s in llm.server_stats().values()]
     wall = search.stats.wall_s
@@ -181,7 +186,7 @@ def run_mcts(urls, args, slots: int, *, lockstep: bool, early: bool = True) -> d
             **measured(urls, args, wall, windows)}  # fmt: skip
 
 
-def run_search_stage(urls, args, slots: int, *, key: str) -> dict:
+def run_search_stage(urls, args, slots: int, *, key: str, in_flight: int = 1) -> dict:
     """`mcts_trajectories` (the training side of the split) or `mcts_eval` (the held-out side,
     without a PPM: evaluation mode, and its greedy pass) materialized by Dagster in this
     process, the upstream tables written to a lake of its own, the `llm` resource on the fleet
@@ -213,7 +218,8 @@ def run_search_stage(urls, args, slots: int, *, key: str) -> dict:
         os.environ.update(RSTAR_DATA_DIR=str(work / "data"), RSTAR_ASSETS_DIR=str(assets))
         os.environ.pop("RSTAR_LAKE_URL", None)
         doc = yaml.safe_load((assets / "pipeline.yaml").read_text())
-        config = mcts_config(args).model_dump(mode="json", exclude={"lockstep"})
+        config = mcts_config(args, in_flight=in_flight)
+        config = config.model_dump(mode="json", exclude={"lockstep"})
         # mcts_eval searches the held-out side: all of it when every group is held out
         doc["heldout"]["fraction"] = 0.0 if key == "mcts_trajectories" else 0.999999
         paired = next(e["upstream"] for e in doc["assets"] if e["key"] == "eval_comparison")
@@ -271,7 +277,9 @@ def _write_search_upstream(lake: Path, trees: int, schemas, write_table, pa) -> 
                     lake / f"{name}.parquet")  # fmt: skip
 
 
-def cases_for(engine: str, only: set[str], fixed: int | None) -> list[tuple[str, object, dict]]:
+def cases_for(
+    engine: str, only: set[str], fixed: int | None, in_flight: int = 1
+) -> list[tuple[str, object, dict]]:
     cases = []
     if "client" in only:
         cases += [(f"client, {'chat' if chat else 'raw'}, n={n}", run_client,
@@ -287,6 +295,12 @@ def cases_for(engine: str, only: set[str], fixed: int | None) -> list[tuple[str,
                   ("MCTS engine, early walk", run_mcts, {"lockstep": False}),
                   ("mcts_trajectories (Dagster)", run_search_stage, {"key": "mcts_trajectories"}),
                   ("mcts_eval (Dagster)", run_search_stage, {"key": "mcts_eval"})]  # fmt: skip
+        if in_flight > 1:  # the declared departure (MCTSConfig.rollouts_in_flight)
+            cases += [(f"MCTS engine, {in_flight} rollouts in flight", run_mcts,
+                       {"lockstep": False, "in_flight": in_flight})] + [
+                      (f"{key} (Dagster), {in_flight} rollouts in flight", run_search_stage,
+                       {"key": key, "in_flight": in_flight})
+                      for key in ("mcts_trajectories", "mcts_eval")]  # fmt: skip
     return cases
 
 
@@ -305,6 +319,8 @@ def main() -> None:
     parser.add_argument(
         "--fixed-window", type=int, help="client rows with windows held at this many too"
     )
+    parser.add_argument("--rollouts-in-flight", type=int, default=1,
+                        help="MCTS rows with this many rollouts of a tree at once too")  # fmt: skip
     args = parser.parse_args()
 
     from rstar_sandbox.bench import machine
@@ -316,7 +332,9 @@ def main() -> None:
             capacity = args.capacity or CAPACITY[engine]
             replica_specs = [(engine, capacity)] * replicas
             with fleet(replica_specs, args.tick_ms / 1000) as urls:
-                for name, run, options in cases_for(engine, only, args.fixed_window):
+                for name, run, options in cases_for(
+                    engine, only, args.fixed_window, args.rollouts_in_flight
+                ):
                     figures = run(urls, args, replicas * capacity, **options)
                     row = {"engine": engine, "capacity": capacity, "replicas": replicas,
                            "case": name, **figures}  # fmt: skip

@@ -29,15 +29,24 @@ and at most `window` where one is declared. Each tree is handed to `on_tree` whe
 search stages commit it to the item cache then) and let go, so memory stays bounded whatever
 the number of problems.
 
+Where trees are fewer than the fleet has slots, one rollout at a time leaves it idle: a tree's
+steps are a chain. `rollouts_in_flight` above 1 (a declared departure; 1, the default, is the
+reference) starts a tree's next rollout before the previous one's backup: each walks into the
+children fewest of the others are in, waits for an expansion another has under way rather than
+repeat it, and expands whole (one request of `width` samples, sharing its prefix). The trees
+differ from the reference's: rollouts spread over siblings that the reference would visit one
+after the other, choosing by values not yet backed up.
+
     trees = search(problems, policy=llm, sandbox=sb, config=MCTSConfig(rollouts=8))
     trees[0].nodes  # the node table
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -141,6 +150,14 @@ class MCTSConfig(BaseModel):
         "reference",
         description="the text of a code-error terminal that closed its block: its output "
         "wrapped in <output> twice (the reference's slip), or once",
+    )
+    rollouts_in_flight: int = Field(
+        1,
+        ge=1,
+        description="a tree's rollouts under way at once. 1: each starts after the previous "
+        "one's backup (the reference). More (a departure, for fleets with more slots than open "
+        "trees): a rollout walks into the children fewest other rollouts are in (UCT among "
+        "those), waits for an expansion another one has under way, and expands whole",
     )
     dedupe: Literal["text", "text_and_stop"] = Field(
         "text",
@@ -379,13 +396,70 @@ class TreeSearch:
         self.prompt = prompt
         self.with_ppm = with_ppm
         self.evaluating = tree.problem.answer is None
-        self.early = early and not with_ppm
+        self.early = early and not with_ppm and config.rollouts_in_flight == 1
         self.stats = stats or SearchStats()
         self.unsettled: list[_Unsettled] = []
         self.path: list[str] = []  # the node ids the current rollout expanded
         # The nodes an early walk undid, held (not their ids, which new nodes can reuse).
         self.gone: set[Node] = set()
         self.rewards: list[tuple[Node, float]] = []  # answers' rewards, backed up when settled
+        # Overlapping rollouts: how many are in each node, the expansions under way.
+        self.busy: dict[Node, int] = {}
+        self.expanding: dict[Node, Future] = {}
+        self.started = 0
+
+    def searches(self) -> list[_Search]:
+        """The tree's first searches: its rollouts one after another (`run`), or with
+        `rollouts_in_flight` the first that many rollouts (`next_rollout` gives the others)."""
+        if self.config.rollouts_in_flight == 1:
+            return [self.run()]
+        firsts = (self.next_rollout() for _ in range(self.config.rollouts_in_flight))
+        return [rollout for rollout in firsts if rollout is not None]
+
+    def next_rollout(self) -> _Search | None:
+        """Another overlapping rollout, while the budget lasts and the root is open."""
+        config = self.config
+        if config.rollouts_in_flight == 1 or self.started == config.rollouts:
+            return None
+        if self.tree.root.terminal:
+            return None
+        self.started += 1
+        return self._overlapping_rollout()
+
+    def _overlapping_rollout(self) -> _Search:
+        """One rollout beside others in the same tree: the reference's walk, with each step's
+        child chosen away from the other rollouts (select_child's `busy`); a node another
+        rollout is expanding is waited for, then walked on from."""
+        path: list[str] = []
+        self.tree.rollout_paths.append(path)
+        entered: list[Node] = []
+        node = step_down(self.tree.root, self.config.c, self.busy)
+        try:
+            for _ in range(self.config.max_depth):
+                if node is None:
+                    break
+                entered.append(node)
+                self.busy[node] = self.busy.get(node, 0) + 1
+                if node in self.expanding:
+                    yield _Wait(self.expanding[node])
+                elif not node.children:
+                    path.append(node.node_id)
+                    yield from self._expand_alone(node)
+                node = step_down(node, self.config.c, self.busy)
+        finally:
+            for left in entered:
+                self.busy[left] -= 1
+
+    def _expand_alone(self, node: Node) -> _Search:
+        """Expand `node`, with a future the other rollouts that reach it wait for."""
+        expanded: Future = Future()
+        self.expanding[node] = expanded
+        try:
+            yield from self.expand(node, 0)
+        finally:
+            del self.expanding[node]
+            if not expanded.done():  # a withdrawn run cancels it
+                expanded.set_result(None)
 
     def run(self) -> _Search:
         """`rollouts` rollouts, each of at most `max_depth` steps (the reference's budget): a
@@ -646,8 +720,9 @@ def _open_block(node: Node, timed_out_steps: str = "rerun") -> list[str]:
 
 @dataclass
 class _Run:
-    """One `MCTSSearch.run`: the open trees with their searches, the replies ready for them,
-    the requests waiting for their lane and the futures in flight."""
+    """One `MCTSSearch.run`: the open trees with their searches (one a tree, or a search per
+    overlapping rollout), the replies ready for them, the requests waiting for their lane and
+    the futures in flight; replies and requests are keyed by search."""
 
     problems: Sequence[Problem]
     on_tree: Callable[[int, Tree, float], None] | None
@@ -655,12 +730,21 @@ class _Run:
     kept: dict[int, Tree] = field(default_factory=dict)
     rules: dict[int, TreeSearch] = field(default_factory=dict)  # the open trees
     searches: dict[int, _Search] = field(default_factory=dict)
+    tree_of: dict[int, int] = field(default_factory=dict)  # each search's tree
+    live: dict[int, int] = field(default_factory=dict)  # each open tree's searches
+    keys: Iterator[int] = field(default_factory=itertools.count)
     ready: deque[tuple[int, Any]] = field(default_factory=deque)
     pending: dict[type, list[tuple[int, _Request]]] = field(
         default_factory=lambda: {_Generate: [], _Execute: [], _Score: []}
     )
     in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = field(default_factory=dict)
     held_since: dict[type, float] = field(default_factory=dict)
+
+    def begin(self, tree: int, search: _Search) -> None:
+        key = next(self.keys)
+        self.searches[key], self.tree_of[key] = search, tree
+        self.live[tree] = self.live.get(tree, 0) + 1
+        self.ready.append((key, None))
 
     def withdraw(self) -> None:
         """On an error: the expansions (and samples) not yet started are cancelled."""
@@ -739,12 +823,23 @@ class MCTSSearch:
             tree = Tree(run.problems[i], Node("0", None, 0))
             early, ppm = self._early, self.ppm is not None
             run.rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
-            run.searches[i] = run.rules[i].run()
-            run.ready.append((i, None))
+            for search in run.rules[i].searches():
+                run.begin(i, search)
+
+    def _search_ended(self, run: _Run, key: int) -> None:
+        """A search is over: the tree's next rollout begins, or the tree ends with its last."""
+        del run.searches[key]
+        i = run.tree_of.pop(key)
+        run.live[i] -= 1
+        following = run.rules[i].next_rollout()
+        if following is not None:
+            run.begin(i, following)
+        elif run.live[i] == 0:
+            del run.live[i]
+            self._ended(run, i)
 
     def _ended(self, run: _Run, i: int) -> None:
         tree = run.rules.pop(i).tree
-        del run.searches[i]
         seconds = run.opened.end(i)
         if run.on_tree is None:
             run.kept[i] = tree
@@ -756,22 +851,22 @@ class MCTSSearch:
         """Each search with a reply ready goes on to its next request: a sample goes out at
         once, a wait parks on its future, the rest wait for their lane."""
         while run.ready:
-            index, reply = run.ready.popleft()
+            key, reply = run.ready.popleft()
             try:
-                request = run.searches[index].send(reply)
+                request = run.searches[key].send(reply)
             except StopIteration:
-                self._ended(run, index)
+                self._search_ended(run, key)
                 continue
             if isinstance(request, _Sample):
                 self.stats.requested(run.opened.running)
-                run.ready.append((index, self._sample(request)))
+                run.ready.append((key, self._sample(request)))
             elif isinstance(request, _Wait):
                 if request.future.done():
-                    run.ready.append((index, request.future.result()))
-                else:
-                    run.in_flight[request.future] = (_Wait, [(index, request)])
+                    run.ready.append((key, request.future.result()))
+                else:  # overlapping rollouts can wait for one expansion
+                    run.in_flight.setdefault(request.future, (_Wait, []))[1].append((key, request))
             else:
-                run.pending[type(request)].append((index, request))
+                run.pending[type(request)].append((key, request))
 
     def _start_lane(self, run: _Run, kind: type, pool: ThreadPoolExecutor) -> None:
         """A lane's pending requests go out: expansions with a future per tree, so each
@@ -796,8 +891,8 @@ class MCTSSearch:
         done, _ = wait(run.in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
         for future in done:
             kind, batch = run.in_flight.pop(future)
-            one = kind is _Generate or kind is _Wait  # a future per tree
-            replies = [future.result()] if one else future.result()
+            one = kind is _Generate or kind is _Wait  # a reply for each search waiting
+            replies = [future.result()] * len(batch) if one else future.result()
             run.ready.extend(zip((i for i, _ in batch), replies, strict=True))
 
     def _trees_to_open(self, opened: Window) -> int | None:
@@ -815,11 +910,13 @@ class MCTSSearch:
     def _lanes_to_start(
         self, pending: dict, in_flight: dict, open_trees: int, held_since: dict, now: float
     ) -> list[type]:
-        busy = {kind for kind, _ in in_flight.values()}
+        # Rollouts waiting for another's expansion (or early walks, for their samples) hold no
+        # lane: what they wait for is pending or in flight itself.
+        busy = {kind for kind, _ in in_flight.values() if kind is not _Wait}
         if self.config.lockstep:
             # The reference's schedule: one phase at a time for all trees (code runs, then
             # PPM scores, then the next completions), each waiting for the slowest tree.
-            if in_flight:
+            if busy:
                 return []
             return next(([k] for k in (_Execute, _Score, _Generate) if pending[k]), [])
         active = busy | {kind for kind, requests in pending.items() if requests}
@@ -835,7 +932,7 @@ class MCTSSearch:
             # A model call costs about the same for one prompt as for many, so the model
             # lanes wait a little for the trees whose code is still running; the sandbox
             # does not wait. With no other lane at work, nothing else is coming.
-            everyone = len(requests) == open_trees or active == {kind}
+            everyone = len(requests) >= open_trees or active == {kind}
             if kind is _Execute or everyone:
                 start.append(kind)
                 continue

@@ -4,7 +4,7 @@ and the node table every tree is stored as."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from rstar_pipelines.math.steps import FAILURES
@@ -108,25 +108,26 @@ class Node:
         }
 
 
-def select_child(node: Node, c: float) -> Node | None:
-    """The non-terminal child with the highest UCT, ties to the first generated;
-    None when every child is terminal."""
-    best, best_score = None, -math.inf
+def select_child(node: Node, c: float, busy: Mapping[Node, int] | None = None) -> Node | None:
+    """The non-terminal child with the highest UCT, ties to the first generated; None when
+    every child is terminal. With `busy` (how many other rollouts are in each node), the
+    children fewest of them are in first, UCT among those."""
+    best, best_score = None, (-math.inf, -math.inf)
     for child in node.children:
         if child.terminal:
             continue
-        score = child.uct(c)
+        score = (-(busy or {}).get(child, 0), child.uct(c))
         if score > best_score:
             best, best_score = child, score
     return best
 
 
-def step_down(node: Node, c: float) -> Node | None:
+def step_down(node: Node, c: float, busy: Mapping[Node, int] | None = None) -> Node | None:
     """One level of the reference's selection: from an expanded node, its best child (or, when
     every child is terminal, None, and the node becomes terminal); an unexpanded open node
-    stays where it is; None from a terminal node."""
+    stays where it is; None from a terminal node. `busy` as select_child's."""
     if node.children or node.terminal:
-        child = select_child(node, c)
+        child = select_child(node, c, busy)
         if child is None:
             node.terminal = True
             return None

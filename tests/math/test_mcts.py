@@ -348,3 +348,52 @@ def test_early_trees_are_the_lockstep_trees_in_every_arrival_order(sandbox, monk
     ]
     played = [every_early_tree(sandbox, monkeypatch, s, config) for s in scripts]
     assert min(played) > 1
+
+
+def backed_up_visits_add_up(node) -> bool:
+    """Every open node's visits are its children's backups: answers' rewards reach every
+    ancestor, a failure's -1 stays on the failure (nothing a rollout held on the way is left)."""
+    if not node.children:
+        return True
+    below = sum(child.visits for child in node.children if not child.is_failure)
+    return node.visits == below and all(backed_up_visits_add_up(ch) for ch in node.children)
+
+
+def test_overlapping_rollouts_expand_apart_and_keep_the_tree_whole(sandbox):
+    # Two rollouts at once in the golden tree: the second waits for the first's root
+    # expansion, then walks into the child the first is not in (0.2, B, by UCT a tie with
+    # 0.1), so both expansions are in flight together, where the reference expands A's
+    # subtree first and B's only in its third rollout.
+    config = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
+    script = padded(SCRIPT, 3)
+    overlapping = config.model_copy(update={"rollouts_in_flight": 2})
+    policy = StepPolicy(script)
+    search = MCTSSearch(StreamingLLM(policy, delay_s=0.05), sandbox, overlapping, prompt=PROMPT)
+    [tree] = search.run([PROBLEM])
+    assert policy.events[0][1] == "" and {steps for _, steps in policy.events[1:3]} == {A, B}
+    reference = StepPolicy(script)
+    search_reference = MCTSSearch(StreamingLLM(reference, 0.05), sandbox, config, prompt=PROMPT)
+    search_reference.run([PROBLEM])
+    assert reference.events[2][1] != B
+    # Each node expanded once (no two rollouts expanded one node), every rollout kept.
+    prompts = [steps for _, steps in policy.events]
+    assert len(prompts) == len(set(prompts))
+    assert len(tree.rollout_paths) == 4
+    ids = [n.node_id for n in tree.root.walk()]
+    assert len(ids) == len(set(ids))
+    assert backed_up_visits_add_up(tree.root)
+    assert {n.final_answer for n in tree.answers()} == {"5", "6"}
+
+
+def test_overlapping_rollouts_over_an_in_process_policy_and_in_lockstep(sandbox):
+    # The same rules where expansions are batched: every tree finishes its rollouts whole.
+    problems = [Problem(f"p{i}", "What is 2 + 3?", "5") for i in range(3)]
+    for lockstep in (False, True):
+        config = MCTSConfig(
+            rollouts=4, width=3, max_depth=4, errors_threshold=1, rollouts_in_flight=3,
+            lockstep=lockstep,
+        )  # fmt: skip
+        trees = search(problems, StepPolicy(padded(SCRIPT, 3)), sandbox, config, prompt=PROMPT)
+        for tree in trees:
+            assert len(tree.rollout_paths) == 4 and backed_up_visits_add_up(tree.root)
+            assert state(tree) == state(trees[0])
