@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -51,10 +50,7 @@ def _warnings(caplog) -> list[str]:
     ]
 
 
-X86_64_LINUX = platform.system() == "Linux" and platform.machine() == "x86_64"
-
-
-@pytest.mark.skipif(not X86_64_LINUX, reason="the kernels are built for x86-64 Linux")
+@pytest.mark.skipif(not c_library.x86_64_linux(), reason="the kernels are built for x86-64 Linux")
 @pytest.mark.parametrize("library", LIBRARIES, ids=lambda library: library.label)
 def test_every_kernel_compiles_whatever_the_cpu(library):
     # Compiling for an instruction set needs only the compiler, so a source that does not

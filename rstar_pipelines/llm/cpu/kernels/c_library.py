@@ -61,6 +61,11 @@ def _cache_dir() -> Path:
     return base / "rstar-pipelines" / "kernels"
 
 
+def x86_64_linux() -> bool:
+    """Whether this machine is what the kernels' sources are written and compiled for."""
+    return platform.system() == "Linux" and platform.machine() == "x86_64"
+
+
 class CLibrary:
     """One C source built with `flags` (and `defines`), whose function `entry` returns an int
     status and takes `argtypes`."""
@@ -87,9 +92,7 @@ class CLibrary:
     def runs_here(self) -> bool:
         """Whether this machine's CPU has the instructions the flags compile for (x86-64 Linux,
         from /proc/cpuinfo)."""
-        if platform.system() != "Linux" or platform.machine() != "x86_64":
-            return False
-        return not self.needs - cpu_flags()
+        return x86_64_linux() and not self.needs - cpu_flags()
 
     def build(self) -> Path:
         """The library, compiled into the cache unless it is there; NoCompiler, OSError (the
