@@ -100,6 +100,10 @@ class Window:
         """Whether an item is left to start and the window has room for it."""
         return self._next < self.count and len(self._running) < self.size
 
+    @property
+    def all_started(self) -> bool:
+        return self._next >= self.count
+
     def start(self, at_most: int | None = None) -> list[int]:
         """The items to start now, in order: as many as the window has room for, at most
         `at_most` (None: no limit)."""

@@ -66,8 +66,9 @@ class MCTSEvaluation(SearchStage):
         policy = checkpoint_path(inputs, "policy_checkpoint")
         guided = CheckpointModels(self, ctx, policy, checkpoint_path(inputs, "ppm_checkpoint"))
         plain = CheckpointModels(self, ctx, policy, None)
-        greedy, searched = search_trees_side_by_side(
-            self, ctx, problems, [(plain, greedy_config(p.search)), (guided, p.search)], gold=False
+        # The search's trees first: the greedy chains, shorter, fill the room its last leave.
+        searched, greedy = search_trees_side_by_side(
+            self, ctx, problems, [(guided, p.search), (plain, greedy_config(p.search))], gold=False
         )
         rows = [
             {

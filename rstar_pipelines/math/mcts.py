@@ -44,6 +44,7 @@ after the other, choosing by values not yet backed up.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
@@ -727,6 +728,7 @@ class _Run:
     problems: Sequence[Problem]
     on_tree: Callable[[int, Tree, float], None] | None
     opened: Window
+    all_opened: threading.Event  # set when every tree has opened, or the run has ended
     kept: dict[int, Tree] = field(default_factory=dict)
     rules: dict[int, TreeSearch] = field(default_factory=dict)  # the open trees
     searches: dict[int, _Search] = field(default_factory=dict)
@@ -786,16 +788,20 @@ class MCTSSearch:
         window: int | None = None,
         on_tree: Callable[[int, Tree, float], None] | None = None,
         memory_mb: float = OPEN_MEMORY_MB,
+        all_opened: threading.Event | None = None,
     ) -> list[Tree]:
         """One tree per problem, opened as the module docstring says: at most `window` at
         once where it is given and what `memory_mb` holds (`open_trees_bound`), the next one
         started when the fleet has room (or one ends). `on_tree(i, tree, seconds)` is called
         from this thread as soon as tree `i` ends, with its share of the wall time (each moment
         split evenly among the trees open then: llm.coroutines.Window), and the tree is not
-        kept: run then returns []. Without `on_tree`, every tree, in order."""
+        kept: run then returns []. Without `on_tree`, every tree, in order. `all_opened` is set
+        once the last tree has opened (or the run has ended): a search that waits for it leaves
+        the fleet's room to this one while this one has trees to open."""
         start = time.perf_counter()
         bound = open_trees_bound(self.config, memory_mb)
-        run = _Run(problems, on_tree, Window(len(problems), min(window or bound, bound)))
+        opened = Window(len(problems), min(window or bound, bound))
+        run = _Run(problems, on_tree, opened, all_opened or threading.Event())
         with ThreadPoolExecutor(max_workers=2) as pool:  # the sandbox's lane and the PPM's
             try:
                 while True:
@@ -814,6 +820,7 @@ class MCTSSearch:
                         break
                     self._gather(run, now)
             finally:
+                run.all_opened.set()
                 run.withdraw()
         self.stats.wall_s += time.perf_counter() - start
         return [run.kept[i] for i in range(len(run.kept))]
@@ -825,6 +832,8 @@ class MCTSSearch:
             run.rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
             for search in run.rules[i].searches():
                 run.begin(i, search)
+        if run.opened.all_started:
+            run.all_opened.set()
 
     def _search_ended(self, run: _Run, key: int) -> None:
         """A search is over: the tree's next rollout begins, or the tree ends with its last."""

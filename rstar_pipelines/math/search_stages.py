@@ -3,6 +3,7 @@ tree), ppm_pairs and sft_dataset."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -109,10 +110,14 @@ def search_trees(
     models: CheckpointModels,
     config: MCTSConfig,
     gold: bool,
+    after: threading.Event | None = None,
+    all_opened: threading.Event | None = None,
 ) -> SearchRun:
     """Search one tree per problem (cached per problem). With `gold`, answer steps are scored
     against each problem's verified answer (data generation); without, the search never sees
-    it (evaluation: answer steps are valued by the PPM, and scored only afterwards)."""
+    it (evaluation: answer steps are valued by the PPM, and scored only afterwards). The
+    search opens its first tree once `after` is set; `all_opened` is set once it has opened
+    its last (or has none to open)."""
     params = stage.params
     prompt = step_prompt(stage, params.prompt)
     searcher: list[MCTSSearch] = []
@@ -139,10 +144,18 @@ def search_trees(
         def searched(j: int, tree: Tree, seconds: float) -> None:
             finished(j, {"nodes": tree.nodes.to_pylist()}, seconds)
 
-        search.run([problem(p) for p in todo], params.window, searched, params.open_trees_memory_mb)
+        if after is not None:
+            after.wait()
+        todo_problems = [problem(p) for p in todo]
+        memory_mb = params.open_trees_memory_mb
+        search.run(todo_problems, params.window, searched, memory_mb, all_opened)
         ctx.log.info(f"search figures: {search.stats.as_dict()}")
 
-    stored = map_problems(ctx, problems, key, run, "searched the trees of")
+    try:
+        stored = map_problems(ctx, problems, key, run, "searched the trees of")
+    finally:
+        if all_opened is not None:
+            all_opened.set()  # whatever the cache held, and on an error: nobody waits forever
     return SearchRun(
         trees=[
             Tree(problem(p), tree_from_rows(item["nodes"]))
@@ -162,12 +175,19 @@ def search_trees_side_by_side(
 ) -> list[SearchRun]:
     """`search_trees` for each (models, config) of `searches` over the same problems. Over a
     fleet they run at once, a thread each: one search's last long trees would otherwise leave
-    the fleet idle while the next waits to start. Over an in-process model one after another:
-    its batcher runs together only prompts of equal sampling, so nothing would be shared."""
+    the fleet idle while the next waits to start. Each opens its first tree once the one
+    before it has opened its last, so that the fleet's room goes to the first while it has
+    trees to open and the later ones fill what its last trees leave as they end: list the
+    search of the longest trees first. Over an in-process model one after another: its
+    batcher runs together only prompts of equal sampling, so nothing would be shared."""
     if not all(serves_each_request(models.policy()) for models, _ in searches):
         return [search_trees(stage, ctx, problems, m, c, gold) for m, c in searches]
+    opened = [threading.Event() for _ in searches]
     with ThreadPoolExecutor(len(searches)) as pool:
-        running = [pool.submit(search_trees, stage, ctx, problems, m, c, gold) for m, c in searches]
+        running = [
+            pool.submit(search_trees, stage, ctx, problems, m, c, gold, after, all_opened)
+            for (m, c), after, all_opened in zip(searches, [None, *opened], opened, strict=False)
+        ]
         return [future.result() for future in running]
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import pairwise
 
 import dagster as dg
 import pyarrow as pa
@@ -76,17 +77,18 @@ def _stage_context(tmp_path, monkeypatch, policy, serve, **params):
 
 class FleetsByTemperature:
     """Two fleets behind one client: greedy requests to `cold`, the rest to `warm`, so that
-    each search's samples come in its own order; `sent` is the temperature of each request."""
+    each search's samples come in its own order; `sent` is (temperature, prompt) of each
+    request, in the order they went."""
 
     def __init__(self, cold: CapacityFleet, warm: CapacityFleet):
         self.cold, self.warm, self.name = cold, warm, cold.name
-        self.sent: list[float] = []
+        self.sent: list[tuple[float, str]] = []
 
     def generate(self, prompts, params):
         return [future.result() for future in self.submit(prompts, params)]
 
     def submit(self, prompts, params):
-        self.sent += [params.temperature] * len(prompts)
+        self.sent += [(params.temperature, prompt) for prompt in prompts]
         return (self.cold if params.temperature == 0 else self.warm).submit(prompts, params)
 
     def spare_capacity(self) -> int:
@@ -94,8 +96,10 @@ class FleetsByTemperature:
 
 
 def test_searches_of_one_stage_share_a_fleet_at_once(tmp_path, monkeypatch):
-    """mcts_eval's greedy pass and its search over a fleet: the two searches' requests go out
-    side by side, not one search after the other, and each finds the trees it finds alone."""
+    """mcts_eval's search and its greedy pass over a fleet with room for four of the eight
+    trees: the greedy chains start once the search has opened its last tree, and then go out
+    side by side with the search's, not after it; each search finds the trees it finds
+    alone."""
     problems = [
         VerifiedProblem(f"q{i}", f"q{i}", f"q{i}", "b1", "math", q, "5")
         for i, q in enumerate(QUESTIONS)
@@ -104,12 +108,17 @@ def test_searches_of_one_stage_share_a_fleet_at_once(tmp_path, monkeypatch):
     fleets = FleetsByTemperature(CapacityFleet(policy, capacity=12), CapacityFleet(policy, 12))
     stage, ctx, models = _stage_context(tmp_path, monkeypatch, policy, fleets)
     cold = SEARCH.model_copy(update={"temperature": 0.0})
-    greedy, searched = search_trees_side_by_side(
-        stage, ctx, problems, [(models, cold), (models, SEARCH)], gold=True
+    searched, greedy = search_trees_side_by_side(
+        stage, ctx, problems, [(models, SEARCH), (models, cold)], gold=True
     )
     ctx.close()
-    switches = sum(a != b for a, b in zip(fleets.sent, fleets.sent[1:], strict=False))
-    assert switches > 2, fleets.sent  # one after the other would switch once
+    temperatures = [t for t, _ in fleets.sent]
+    last_opened = next(i for i, (_, p) in enumerate(fleets.sent) if QUESTIONS[-1] in p)
+    first_greedy = temperatures.index(0.0)
+    assert 0 < last_opened < first_greedy, temperatures
+    assert SEARCH.temperature in temperatures[first_greedy:], temperatures  # not after it
+    switches = sum(a != b for a, b in pairwise(temperatures))
+    assert switches > 2, temperatures  # one after the other would switch once
     alone, alone_ctx = _search_stage(tmp_path / "alone", monkeypatch, StepPolicy(), PROBLEMS[:1])
     expected = state(alone().trees[0])
     alone_ctx.close()
