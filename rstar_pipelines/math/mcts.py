@@ -46,10 +46,11 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from queue import Empty, SimpleQueue
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
@@ -719,6 +720,29 @@ def _open_block(node: Node, timed_out_steps: str = "rerun") -> list[str]:
     return actions[::-1]
 
 
+class Arrivals:
+    """The futures a search waits for, handed back as they finish. Each puts itself on a queue
+    when it is done, so that a wait costs per future finished, not per future in flight
+    (`concurrent.futures.wait` visits every one on each call: thousands over a large fleet)."""
+
+    def __init__(self) -> None:
+        self._finished: SimpleQueue[Future] = SimpleQueue()
+
+    def watch(self, future: Future) -> None:
+        future.add_done_callback(self._finished.put)
+
+    def wait(self, timeout: float | None) -> list[Future]:
+        """The futures watched that finished since the last call, waiting up to `timeout`
+        seconds (None: as long as it takes) for the first; [] if none finished by then."""
+        try:
+            finished = [self._finished.get(timeout=timeout)]
+        except Empty:
+            return []
+        while not self._finished.empty():
+            finished.append(self._finished.get())
+        return finished
+
+
 @dataclass
 class _Run:
     """One `MCTSSearch.run`: the open trees with their searches (one a tree, or a search per
@@ -740,6 +764,8 @@ class _Run:
         default_factory=lambda: {_Generate: [], _Execute: [], _Score: []}
     )
     in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = field(default_factory=dict)
+    kinds_in_flight: Counter[type] = field(default_factory=Counter)
+    arrivals: Arrivals = field(default_factory=lambda: Arrivals())
     held_since: dict[type, float] = field(default_factory=dict)
 
     def begin(self, tree: int, search: _Search) -> None:
@@ -747,6 +773,22 @@ class _Run:
         self.searches[key], self.tree_of[key] = search, tree
         self.live[tree] = self.live.get(tree, 0) + 1
         self.ready.append((key, None))
+
+    def await_reply(self, future: Future, kind: type, entries: list[tuple[int, _Request]]) -> None:
+        """The searches of `entries` wait for `future` (a lane's batch, an expansion, or a
+        sample several rollouts wait for)."""
+        waiting = self.in_flight.get(future)
+        if waiting is not None:
+            waiting[1].extend(entries)
+            return
+        self.in_flight[future] = (kind, entries)
+        self.kinds_in_flight[kind] += 1
+        self.arrivals.watch(future)
+
+    def replied(self, future: Future) -> tuple[type, list[tuple[int, _Request]]]:
+        kind, entries = self.in_flight.pop(future)
+        self.kinds_in_flight[kind] -= 1
+        return kind, entries
 
     def withdraw(self) -> None:
         """On an error: the expansions (and samples) not yet started are cancelled."""
@@ -810,7 +852,7 @@ class MCTSSearch:
                     self._advance(run)
                     now = time.perf_counter()
                     for kind in self._lanes_to_start(
-                        run.pending, run.in_flight, run.opened.running, run.held_since, now
+                        run.pending, run.kinds_in_flight, run.opened.running, run.held_since, now
                     ):
                         self._start_lane(run, kind, pool)
                     self.stats.engine_s += time.perf_counter() - engine_start
@@ -873,7 +915,7 @@ class MCTSSearch:
                 if request.future.done():
                     run.ready.append((key, request.future.result()))
                 else:  # overlapping rollouts can wait for one expansion
-                    run.in_flight.setdefault(request.future, (_Wait, []))[1].append((key, request))
+                    run.await_reply(request.future, _Wait, [(key, request)])
             else:
                 run.pending[type(request)].append((key, request))
 
@@ -885,21 +927,19 @@ class MCTSSearch:
         if kind is _Generate:
             self.stats.requested(run.opened.running)
             futures = self._generate([r for _, r in batch])
-            run.in_flight.update(
-                (f, (kind, [entry])) for f, entry in zip(futures, batch, strict=True)
-            )
+            for future, entry in zip(futures, batch, strict=True):
+                run.await_reply(future, kind, [entry])
             return
         lane = self._execute if kind is _Execute else self._score
-        run.in_flight[pool.submit(lane, [r for _, r in batch])] = (kind, batch)
+        run.await_reply(pool.submit(lane, [r for _, r in batch]), kind, batch)
 
     def _gather(self, run: _Run, now: float) -> None:
         """Waits for the first future in flight (or a held lane's deadline); their replies
         become ready."""
         deadlines = [t + self._gather_s(k) for k, t in run.held_since.items()]
         timeout = max(0.0, min(deadlines) - now) if deadlines else None
-        done, _ = wait(run.in_flight, timeout=timeout, return_when=FIRST_COMPLETED)
-        for future in done:
-            kind, batch = run.in_flight.pop(future)
+        for future in run.arrivals.wait(timeout):
+            kind, batch = run.replied(future)
             one = kind is _Generate or kind is _Wait  # a reply for each search waiting
             replies = [future.result()] * len(batch) if one else future.result()
             run.ready.extend(zip((i for i, _ in batch), replies, strict=True))
@@ -917,11 +957,11 @@ class MCTSSearch:
         return 1 if spare > 0 or opened.running == 0 else 0
 
     def _lanes_to_start(
-        self, pending: dict, in_flight: dict, open_trees: int, held_since: dict, now: float
+        self, pending: dict, in_flight: Counter, open_trees: int, held_since: dict, now: float
     ) -> list[type]:
         # Rollouts waiting for another's expansion (or early walks, for their samples) hold no
         # lane: what they wait for is pending or in flight itself.
-        busy = {kind for kind, _ in in_flight.values() if kind is not _Wait}
+        busy = {kind for kind, count in in_flight.items() if count and kind is not _Wait}
         if self.config.lockstep:
             # The reference's schedule: one phase at a time for all trees (code runs, then
             # PPM scores, then the next completions), each waiting for the slowest tree.

@@ -7,11 +7,12 @@ import random
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import Future
 from typing import ClassVar
 
 from rstar_pipelines.llm import LLM, TRANSFORMERS_REVISION, Completion, Prompt, SamplingParams
 from rstar_pipelines.llm.resource import LLMResource
+from rstar_pipelines.math.mcts import Arrivals
 
 # How the transformers backend's model ids begin: its name and revision.
 TRANSFORMERS = f"transformers@{TRANSFORMERS_REVISION}"
@@ -158,7 +159,7 @@ class StreamingLLM:
 class ArrivingLLM:
     """A scripted LLM as a fleet of servers answers it (an `AsyncLLM`), each sample a request
     of its own (n=1): the k-th ask for a prompt gets the k-th of its scripted completions. A
-    sample arrives only when the search waits for it (`wait`, put in the search module's
+    sample arrives only when the search waits for it (`arrivals`, put in the search module's
     place), and `order(n)` picks how many of the n - 1 samples after it in its expansion arrive
     with it. That is every order an expansion's samples can arrive in, as far
     as the search can tell: it reads its samples in order, and on each one it reads, whether
@@ -188,15 +189,36 @@ class ArrivingLLM:
             futures.append(future)
         return futures
 
-    def wait(self, futures, timeout=None, return_when=FIRST_COMPLETED):
-        futures = list(futures)
-        if not any(f.done() for f in futures) and all(f in self.coming for f in futures):
-            samples = self.samples[self.prompt_of[futures[0]]]
-            after = samples[samples.index(futures[0]) + 1 :]
-            after = after[: next((i for i, f in enumerate(after) if f not in self.coming), None)]
-            for future in [futures[0], *after[: self.order(len(after) + 1)]]:
-                future.set_result(self.coming.pop(future))
-        return wait(futures, timeout, return_when)
+    def arrivals(self) -> Arrivals:
+        """The search's `mcts.Arrivals`: when nothing the search waits for is in, the first
+        sample it began to wait for arrives, with `order(n)` of the n - 1 after it."""
+        return _ArrivalsInOrder(self)
+
+    def arrive(self, first: Future) -> None:
+        samples = self.samples[self.prompt_of[first]]
+        after = samples[samples.index(first) + 1 :]
+        after = after[: next((i for i, f in enumerate(after) if f not in self.coming), None)]
+        for future in [first, *after[: self.order(len(after) + 1)]]:
+            future.set_result(self.coming.pop(future))
+
+
+class _ArrivalsInOrder(Arrivals):
+    def __init__(self, llm: ArrivingLLM):
+        super().__init__()
+        self.llm = llm
+        self.watched: list[Future] = []  # in the order the search began to wait for them
+
+    def watch(self, future: Future) -> None:
+        self.watched.append(future)
+        super().watch(future)
+
+    def wait(self, timeout: float | None) -> list[Future]:
+        watched, coming = self.watched, self.llm.coming
+        if watched and not any(f.done() for f in watched) and all(f in coming for f in watched):
+            self.llm.arrive(watched[0])
+        finished = super().wait(timeout)
+        self.watched = [f for f in watched if f not in finished]
+        return finished
 
 
 class CapacityFleet:

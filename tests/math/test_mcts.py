@@ -284,7 +284,7 @@ def every_early_tree(sandbox, monkeypatch, script, config) -> int:
     orders, played = EveryOrder(), 0
     while True:
         policy = ArrivingLLM(StepPolicy(script), orders)
-        monkeypatch.setattr(mcts_module, "wait", policy.wait)
+        monkeypatch.setattr(mcts_module, "Arrivals", policy.arrivals)
         [tree] = MCTSSearch(policy, sandbox, config, prompt=PROMPT).run([PROBLEM])
         arrivals = [choice for choice, _ in orders.played]
         assert tree.nodes.to_pylist() == reference.nodes.to_pylist(), arrivals
