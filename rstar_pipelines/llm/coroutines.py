@@ -98,7 +98,7 @@ class Window:
     @property
     def has_room(self) -> bool:
         """Whether an item is left to start and the window has room for it."""
-        return self._next < self.count and len(self._running) < self.size
+        return not self.all_started and len(self._running) < self.size
 
     @property
     def all_started(self) -> bool:

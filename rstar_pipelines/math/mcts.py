@@ -765,6 +765,7 @@ class _Run:
     )
     in_flight: dict[Future, tuple[type, list[tuple[int, _Request]]]] = field(default_factory=dict)
     kinds_in_flight: Counter[type] = field(default_factory=Counter)
+    # Looked up when the run starts, not bound here: a test puts its own `Arrivals` in place.
     arrivals: Arrivals = field(default_factory=lambda: Arrivals())
     held_since: dict[type, float] = field(default_factory=dict)
 
@@ -868,13 +869,14 @@ class MCTSSearch:
         return [run.kept[i] for i in range(len(run.kept))]
 
     def _open_trees(self, run: _Run) -> None:
-        for i in run.opened.start(self._trees_to_open(run.opened)):
+        started = run.opened.start(self._trees_to_open(run.opened))
+        for i in started:
             tree = Tree(run.problems[i], Node("0", None, 0))
             early, ppm = self._early, self.ppm is not None
             run.rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
             for search in run.rules[i].searches():
                 run.begin(i, search)
-        if run.opened.all_started:
+        if started and run.opened.all_started:  # once, not on every turn of the loop
             run.all_opened.set()
 
     def _search_ended(self, run: _Run, key: int) -> None:
@@ -957,11 +959,11 @@ class MCTSSearch:
         return 1 if spare > 0 or opened.running == 0 else 0
 
     def _lanes_to_start(
-        self, pending: dict, in_flight: Counter, open_trees: int, held_since: dict, now: float
+        self, pending: dict, kinds_in_flight: Counter, open_trees: int, held_since: dict, now: float
     ) -> list[type]:
         # Rollouts waiting for another's expansion (or early walks, for their samples) hold no
         # lane: what they wait for is pending or in flight itself.
-        busy = {kind for kind, count in in_flight.items() if count and kind is not _Wait}
+        busy = {kind for kind, count in kinds_in_flight.items() if count and kind is not _Wait}
         if self.config.lockstep:
             # The reference's schedule: one phase at a time for all trees (code runs, then
             # PPM scores, then the next completions), each waiting for the slowest tree.

@@ -183,10 +183,11 @@ def search_trees_side_by_side(
     if not all(serves_each_request(models.policy()) for models, _ in searches):
         return [search_trees(stage, ctx, problems, m, c, gold) for m, c in searches]
     opened = [threading.Event() for _ in searches]
+    waits_for = [None, *opened[:-1]]
     with ThreadPoolExecutor(len(searches)) as pool:
         running = [
             pool.submit(search_trees, stage, ctx, problems, m, c, gold, after, all_opened)
-            for (m, c), after, all_opened in zip(searches, [None, *opened], opened, strict=False)
+            for (m, c), after, all_opened in zip(searches, waits_for, opened, strict=True)
         ]
         return [future.result() for future in running]
 
