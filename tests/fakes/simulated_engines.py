@@ -135,11 +135,17 @@ def scripted_text(prompt: str, seed: int, length: int) -> tuple[str, str | None]
     returns it); other prompts a text as long as the sequence."""
     if "Question:" not in prompt:
         return "a long chain of thought" + " step" * length + " \\boxed{5}", None
+    completion = scripted_steps()(prompt, seed)
+    return completion.text, completion.stop_string
+
+
+def scripted_steps():
+    """benchmarks/mcts.py's scripted policy. Its import takes seconds (it loads the package):
+    the fleet makes it before it serves, not while its first answer waits."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from mcts import scripted_step
 
-    completion = scripted_step(prompt, seed)
-    return completion.text, completion.stop_string
+    return scripted_step
 
 
 def load_page(replica: Replica) -> tuple[int, list | str]:
@@ -232,6 +238,7 @@ async def serve_replica(replica: Replica) -> int:
 
 
 async def run_fleet(replicas: list[tuple[str, int]], tick_s: float) -> None:
+    scripted_steps()
     ports = [await serve_replica(Replica(engine, batch, tick_s)) for engine, batch in replicas]
     print(json.dumps(ports), flush=True)
     await asyncio.Event().wait()
