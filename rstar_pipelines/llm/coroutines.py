@@ -18,7 +18,8 @@ How they are scheduled depends on the LLM:
 - one that takes prompts one by one (`AsyncLLM`: the openai backend over a fleet of servers):
   nothing waits for anything else; a coroutine resumes as soon as its own answer is in, and
   its next Ask goes out at once, with its own max_tokens. The next root starts whenever the
-  fleet has room (`types.spare_capacity`), so the client holds no more than the fleet runs;
+  fleet has room (`types.spare_capacity`; the client wakes the scheduler when a window grows,
+  `types.on_room`), so the client holds no more than the fleet runs;
   where the LLM reports no spare capacity, every root starts at once;
 - one that only has `generate` (an in-process model, which runs one batch at a time anyway): in
   rounds, every coroutine advanced, then every Ask of the round submitted (stretched Asks in
@@ -32,11 +33,12 @@ from __future__ import annotations
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Generator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from queue import Empty, SimpleQueue
 from typing import Any
 
-from .types import LLM, AsyncLLM, Prompt, SamplingParams, spare_capacity, submit
+from .types import LLM, AsyncLLM, Prompt, SamplingParams, on_room, spare_capacity, submit
 
 
 @dataclass(frozen=True)
@@ -127,6 +129,34 @@ class Window:
         self._last = now
 
 
+class Arrivals:
+    """The futures a scheduler waits for, handed back as they finish. Each puts itself on a
+    queue when it is done, so that a wait costs per future finished, not per future in flight
+    (`concurrent.futures.wait` visits every one on each call: thousands over a large fleet).
+    `wake` ends a wait with nothing finished: the fleet has room for more work
+    (`types.on_room`)."""
+
+    def __init__(self) -> None:
+        self._finished: SimpleQueue[Future | None] = SimpleQueue()
+
+    def watch(self, future: Future) -> None:
+        future.add_done_callback(self._finished.put)
+
+    def wake(self) -> None:
+        self._finished.put(None)
+
+    def wait(self, timeout: float | None) -> list[Future]:
+        """The futures watched that finished since the last call, waiting up to `timeout`
+        seconds (None: as long as it takes) for the first or a wake; [] if none finished."""
+        try:
+            arrived = [self._finished.get(timeout=timeout)]
+        except Empty:
+            return []
+        while not self._finished.empty():
+            arrived.append(self._finished.get())
+        return [future for future in arrived if future is not None]
+
+
 def run_coroutines(
     llm: LLM,
     coroutines: Sequence[Coroutine],
@@ -160,34 +190,49 @@ class _Scheduler:
         self.batches: dict[str, list[tuple[Coroutine, Sequence[Any]]]] = defaultdict(list)
         # future -> (lane, or None for an Ask; the coroutines and their items)
         self.waiting: dict[Future, tuple[str | None, list[tuple[Coroutine, Sequence[Any]]]]] = {}
+        self.arrivals = Arrivals()  # what of `waiting` is in, when streamed
 
     def run(self, coroutines: Sequence[Coroutine]) -> None:
         self.window = Window(len(coroutines), self.most_open)
+        stop_watching_room = on_room(self.llm, self.arrivals.wake) if self.streamed else None
         with ThreadPoolExecutor(max_workers=max(1, len(self.lanes))) as pool:
             try:
                 while True:
                     self._open(coroutines)
+                    if stop_watching_room is not None and self.window.all_started:
+                        stop_watching_room()
+                        stop_watching_room = None
                     self._advance()
                     self._submit_asks()
                     busy = {lane for lane, _ in self.waiting.values() if lane is not None}
                     for lane in [lane for lane in self.batches if lane not in busy]:
                         entries = self.batches.pop(lane)
                         items = [item for _, group in entries for item in group]
-                        self.waiting[pool.submit(self.lanes[lane], items)] = (lane, entries)
+                        self._await(pool.submit(self.lanes[lane], items), lane, entries)
                     if self.window.has_room and self._to_open() != 0:
                         continue  # the fleet has room for another root
                     if not self.waiting:
                         break
-                    if self.streamed:
-                        done, _ = wait(self.waiting, return_when=FIRST_COMPLETED)
+                    if self.streamed:  # what is in, or nothing when the fleet has room
+                        done = self.arrivals.wait(None)
                     else:  # a round: all of it, resumed in the order it was asked
                         wait(self.waiting)
                         done = list(self.waiting)
                     for future in done:
                         self._resume(future)
             finally:
+                if stop_watching_room is not None:
+                    stop_watching_room()
                 for future in self.waiting:
                     future.cancel()
+
+    def _await(
+        self, future: Future, lane: str | None, entries: list[tuple[Coroutine, Sequence[Any]]]
+    ) -> None:
+        """`entries`' coroutines wait for `future`: a lane's batch, or an Ask (lane None)."""
+        self.waiting[future] = (lane, entries)
+        if self.streamed:
+            self.arrivals.watch(future)
 
     def _open(self, coroutines: Sequence[Coroutine]) -> None:
         for i in self.window.start(self._to_open()):
@@ -251,7 +296,7 @@ class _Scheduler:
         for params, entries in groups.items():
             futures = submit(self.llm, [prompt for _, prompt in entries], params)
             for future, (coroutine, _) in zip(futures, entries, strict=True):
-                self.waiting[future] = (None, [(coroutine, ())])
+                self._await(future, None, [(coroutine, ())])
 
     def _resume(self, future: Future) -> None:
         lane, entries = self.waiting.pop(future)

@@ -39,7 +39,8 @@ How the fleet is used (docs/llm-serving.md):
 - `server_stats()` reports, per server: the window, requests, sequences, tokens, tokens/s,
   retries (the stage metadata's `llm_servers` table). `spare_capacity()` is the room left in
   the windows less what waits to be sent: a caller that opens work while it is above 0 (the
-  search opening trees) keeps the fleet full without knowing its size.
+  search opening trees) keeps the fleet full without knowing its size; `on_room(callback)` wakes
+  such a caller when room appears with no answer of its own to wake it (a window grew).
 - `submit` returns one future per prompt, resolved as soon as that prompt's samples are in;
   `generate` waits for all of them. Requests run on an asyncio loop (aiohttp) in a thread of
   the client.
@@ -78,7 +79,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -275,6 +276,7 @@ class OpenAILLM:
         self._incoming = 0  # samples submitted and not yet in the queue
         self._incoming_lock = threading.Lock()
         self._start_lock = threading.Lock()
+        self._room_callbacks: tuple[Callable[[], None], ...] = ()  # replaced whole: read lock-free
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
 
@@ -311,6 +313,19 @@ class OpenAILLM:
             limit = START if window is None else window.limit
             room += max(0, limit - server.in_flight)
         return room - self._queue.sequences - self._incoming
+
+    def on_room(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Calls `callback` (from the client's thread) each time the client has sent what it
+        can and the windows still have room (`spare_capacity` above 0): after a window grows,
+        a server comes up, answers free room. Returns what stops the calls."""
+        with self._start_lock:
+            self._room_callbacks = (*self._room_callbacks, callback)
+
+        def stop() -> None:
+            with self._start_lock:
+                self._room_callbacks = tuple(c for c in self._room_callbacks if c is not callback)
+
+        return stop
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         futures = self.submit(prompts, params)
@@ -424,6 +439,9 @@ class OpenAILLM:
                     server, _Sent(job, size, server.window.sent(server.in_flight, size), now)
                 )
             )
+        if not self._queue and self._room_callbacks and self.spare_capacity() > 0:
+            for callback in self._room_callbacks:
+                callback()
         waits = [s.ready_at - now for s in self._servers if s.ready_at > now]
         return min(waits) if waits and self._queue else None
 

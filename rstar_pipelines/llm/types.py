@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Protocol, runtime_checkable
@@ -110,6 +110,22 @@ def spare_capacity(llm: LLM) -> int | None:
         llm = llm.wrapped
     spare = getattr(llm, "spare_capacity", None)
     return spare() if callable(spare) else None
+
+
+def on_room(llm: LLM, callback: Callable[[], None]) -> Callable[[], None]:
+    """Has `callback` called (from any thread) whenever `llm`'s spare capacity is above 0 with
+    no answer coming back to say so: a fleet's window grew, a server came up
+    (`OpenAILLM.on_room`). A caller that opens work as the fleet has room, and otherwise waits
+    for its answers, wakes on it. Returns what stops the calls (once called, calling it again
+    does nothing); nothing is called where the LLM reports no spare capacity."""
+    while hasattr(llm, "wrapped"):
+        llm = llm.wrapped
+    watch = getattr(llm, "on_room", None)
+    return watch(callback) if callable(watch) else _nothing_to_stop
+
+
+def _nothing_to_stop() -> None:
+    return None
 
 
 def submit(

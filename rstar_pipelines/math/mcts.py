@@ -23,11 +23,11 @@ samples that decide its next step are in (TreeSearch: the tree stays the referen
 
 How many trees are open: over a fleet (a policy that reports its spare capacity,
 `llm.types.spare_capacity`) another tree opens whenever the fleet's windows have room, so the
-fleet decides; every tree at once over an in-process policy and in lock-step. Either way at
-most what `memory_mb` holds (`open_trees_bound`: that budget over the most one tree can hold)
-and at most `window` where one is declared. Each tree is handed to `on_tree` when it ends (the
-search stages commit it to the item cache then) and let go, so memory stays bounded whatever
-the number of problems.
+fleet decides (the client wakes the search when a window grows: `llm.types.on_room`); every
+tree at once over an in-process policy and in lock-step. Either way at most what `memory_mb`
+holds (`open_trees_bound`: that budget over the most one tree can hold) and at most `window`
+where one is declared. Each tree is handed to `on_tree` when it ends (the search stages commit
+it to the item cache then) and let go, so memory stays bounded whatever the number of problems.
 
 Where trees are fewer than the fleet has slots, one rollout at a time leaves it idle: a tree's
 steps are a chain. `rollouts_in_flight` above 1 (a declared departure; 1, the default, is the
@@ -50,19 +50,25 @@ from collections import Counter, deque
 from collections.abc import Callable, Generator, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from queue import Empty, SimpleQueue
 from typing import Any, Literal, Protocol
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from rstar_pipelines.llm.coroutines import BYTES_PER_TOKEN, OPEN_MEMORY_MB, Window, memory_bound
+from rstar_pipelines.llm.coroutines import (
+    BYTES_PER_TOKEN,
+    OPEN_MEMORY_MB,
+    Arrivals,
+    Window,
+    memory_bound,
+)
 from rstar_pipelines.llm.types import (
     LLM,
     AsyncLLM,
     Completion,
     Prompt,
     SamplingParams,
+    on_room,
     serves_each_request,
     spare_capacity,
     submit,
@@ -720,29 +726,6 @@ def _open_block(node: Node, timed_out_steps: str = "rerun") -> list[str]:
     return actions[::-1]
 
 
-class Arrivals:
-    """The futures a search waits for, handed back as they finish. Each puts itself on a queue
-    when it is done, so that a wait costs per future finished, not per future in flight
-    (`concurrent.futures.wait` visits every one on each call: thousands over a large fleet)."""
-
-    def __init__(self) -> None:
-        self._finished: SimpleQueue[Future] = SimpleQueue()
-
-    def watch(self, future: Future) -> None:
-        future.add_done_callback(self._finished.put)
-
-    def wait(self, timeout: float | None) -> list[Future]:
-        """The futures watched that finished since the last call, waiting up to `timeout`
-        seconds (None: as long as it takes) for the first; [] if none finished by then."""
-        try:
-            finished = [self._finished.get(timeout=timeout)]
-        except Empty:
-            return []
-        while not self._finished.empty():
-            finished.append(self._finished.get())
-        return finished
-
-
 @dataclass
 class _Run:
     """One `MCTSSearch.run`: the open trees with their searches (one a tree, or a search per
@@ -768,6 +751,13 @@ class _Run:
     # Looked up when the run starts, not bound here: a test puts its own `Arrivals` in place.
     arrivals: Arrivals = field(default_factory=lambda: Arrivals())
     held_since: dict[type, float] = field(default_factory=dict)
+    # While trees are left to open over a fleet: the client wakes the run when it has room.
+    stop_watching_room: Callable[[], None] = lambda: None
+
+    def opened_all(self) -> None:
+        """Every tree has opened (or the run has ended): room no longer concerns the run."""
+        self.stop_watching_room()
+        self.all_opened.set()
 
     def begin(self, tree: int, search: _Search) -> None:
         key = next(self.keys)
@@ -845,6 +835,8 @@ class MCTSSearch:
         bound = open_trees_bound(self.config, memory_mb)
         opened = Window(len(problems), min(window or bound, bound))
         run = _Run(problems, on_tree, opened, all_opened or threading.Event())
+        if not self.config.lockstep:
+            run.stop_watching_room = on_room(self.policy, run.arrivals.wake)
         with ThreadPoolExecutor(max_workers=2) as pool:  # the sandbox's lane and the PPM's
             try:
                 while True:
@@ -863,7 +855,7 @@ class MCTSSearch:
                         break
                     self._gather(run, now)
             finally:
-                run.all_opened.set()
+                run.opened_all()
                 run.withdraw()
         self.stats.wall_s += time.perf_counter() - start
         return [run.kept[i] for i in range(len(run.kept))]
@@ -877,7 +869,7 @@ class MCTSSearch:
             for search in run.rules[i].searches():
                 run.begin(i, search)
         if started and run.opened.all_started:  # once, not on every turn of the loop
-            run.all_opened.set()
+            run.opened_all()
 
     def _search_ended(self, run: _Run, key: int) -> None:
         """A search is over: the tree's next rollout begins, or the tree ends with its last."""

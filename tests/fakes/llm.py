@@ -11,8 +11,8 @@ from concurrent.futures import Future
 from typing import ClassVar
 
 from rstar_pipelines.llm import LLM, TRANSFORMERS_REVISION, Completion, Prompt, SamplingParams
+from rstar_pipelines.llm.coroutines import Arrivals
 from rstar_pipelines.llm.resource import LLMResource
-from rstar_pipelines.math.mcts import Arrivals
 
 # How the transformers backend's model ids begin: its name and revision.
 TRANSFORMERS = f"transformers@{TRANSFORMERS_REVISION}"
@@ -225,16 +225,41 @@ class CapacityFleet:
     """A scripted LLM as a fleet of `capacity` slots answers it (an `AsyncLLM` that reports
     its spare capacity), with `fleet_answer`'s completions; each answer comes after a delay drawn
     from `seed` (up to `delay_s`), so samples arrive out of order. `spare_capacity()` is the
-    slots less the sequences not yet answered; the test sets `capacity`. A prompt whose script
-    lacks it fails its future (KeyError), as a crashed server would."""
+    slots less the sequences not yet answered; the test sets `capacity`, or `grow`s it as a
+    client's window grows, calling what `on_room` was given. With `held`, answers wait until it
+    is set. A prompt whose script lacks it fails its future (KeyError), as a crashed server
+    would."""
 
-    def __init__(self, llm: ScriptedLLM, capacity: int, delay_s: float = 0.02, seed: int = 0):
-        self.llm, self.capacity, self.delay_s = llm, capacity, delay_s
+    def __init__(
+        self,
+        llm: ScriptedLLM,
+        capacity: int,
+        delay_s: float = 0.02,
+        seed: int = 0,
+        held: threading.Event | None = None,
+    ):
+        self.llm, self.capacity, self.delay_s, self.held = llm, capacity, delay_s, held
         self.name = llm.name
         self.random = random.Random(seed)
         self.asked: Counter[str] = Counter()
         self.outstanding = 0
         self.lock = threading.Lock()
+        self.room_callbacks: list[Callable[[], None]] = []
+
+    def on_room(self, callback: Callable[[], None]) -> Callable[[], None]:
+        self.room_callbacks.append(callback)
+
+        def stop() -> None:
+            if callback in self.room_callbacks:
+                self.room_callbacks.remove(callback)
+
+        return stop
+
+    def grow(self, capacity: int) -> None:
+        with self.lock:
+            self.capacity = capacity
+        for callback in list(self.room_callbacks):
+            callback()
 
     def generate(self, prompts: Sequence[Prompt], params: SamplingParams) -> list[list[Completion]]:
         return [future.result() for future in self.submit(prompts, params)]
@@ -262,6 +287,8 @@ class CapacityFleet:
         return futures
 
     def _answer(self, future: Future, result: list[Completion], n: int) -> None:
+        if self.held is not None:
+            self.held.wait()
         with self.lock:
             self.outstanding -= n
         if not future.cancelled():

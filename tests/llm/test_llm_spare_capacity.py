@@ -4,6 +4,7 @@ is above 0 keeps a fleet full without being told its size."""
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import closing
 
@@ -11,8 +12,9 @@ from rstar_pipelines.llm import SamplingParams, load_llm
 from rstar_pipelines.llm.coroutines import Ask, run_coroutines
 from rstar_pipelines.llm.counting import CountingLLM
 from rstar_pipelines.llm.fleet_window import START
-from rstar_pipelines.llm.types import spare_capacity
+from rstar_pipelines.llm.types import on_room, spare_capacity
 from tests.fakes.llm import CapacityFleet, ScriptedLLM
+from tests.fakes.servers import wait_until
 from tests.fakes.simulated_engines import fleet
 
 TICK_S = 0.02
@@ -26,8 +28,10 @@ def test_what_is_submitted_takes_the_room_and_answers_give_it_back():
         closing(load_llm("openai", base_url=url)) as llm,
     ):
         assert spare_capacity(CountingLLM(llm)) == START  # a server not yet asked: its first window
-        futures = llm.submit([f"p{i}" for i in range(5)], PARAMS.model_copy(update={"n": 2}))
-        assert llm.spare_capacity() <= START - 10  # counted as soon as submitted
+        # One sample a prompt: a request of n samples opens the window at n x START when it
+        # goes, which may be before the next line or after it.
+        futures = llm.submit([f"p{i}" for i in range(10)], PARAMS)
+        assert llm.spare_capacity() == START - 10  # counted as soon as submitted, sent or not
         for future in futures:
             future.result(timeout=60)
         [stats] = llm.server_stats().values()
@@ -83,3 +87,52 @@ def test_coroutines_start_as_the_fleet_has_room():
     assert most[2] < most[8] < most[1000] == 30  # room for all: every root at once
     assert _most_running(fleet[1000], 30, window=5) == 5  # a declared window caps it
     assert _most_running(scripted, 30) == 30  # in process: every root at once
+
+
+def test_the_client_says_when_its_window_grows_before_any_answer():
+    """A caller waiting for answers to open more work is woken when the window grows (the
+    server's load shows room), not when the first answer comes back: with long sequences that
+    may be minutes. Once stopped, it hears no more."""
+    woken = threading.Event()
+    long = PARAMS.model_copy(update={"max_tokens": 100_000})  # nothing answers during the test
+    with (
+        fleet([("vllm", CAPACITY)], TICK_S) as [url],
+        closing(load_llm("openai", base_url=url)) as llm,
+    ):
+        stop = on_room(CountingLLM(llm), woken.set)
+        futures = llm.submit([f"p{i}" for i in range(START)], long)
+        assert llm.spare_capacity() <= 0
+        woken.clear()
+        assert woken.wait(timeout=10)  # the window grew: room, and a call to say so
+        assert llm.spare_capacity() > 0 and not any(f.done() for f in futures)
+        stop()
+        futures += llm.submit([f"q{i}" for i in range(llm.spare_capacity())], long)
+        woken.clear()
+        deadline = time.monotonic() + 10
+        while llm.spare_capacity() <= 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert llm.spare_capacity() > 0  # the window grew again ...
+        assert not woken.wait(timeout=0.5)  # ... and no one was told
+        for future in futures:
+            future.cancel()
+
+
+def test_coroutines_start_when_the_fleet_grows_before_any_answer():
+    held = threading.Event()  # no answer until the roots have started
+    scripted = ScriptedLLM(lambda prompt, params: ["a", "b"])
+    llm = CapacityFleet(scripted, 2, delay_s=0.0, held=held)
+    started = []
+
+    def root(i: int):
+        started.append(i)
+        yield Ask(f"p{i}", PARAMS.model_copy(update={"n": 2}))
+
+    runner = threading.Thread(target=run_coroutines, args=(llm, [root(i) for i in range(4)]))
+    runner.start()
+    try:
+        wait_until(lambda: len(started) == 1, "the first root", 10)
+        llm.grow(8)  # room for every root, and still no answer
+        wait_until(lambda: len(started) == 4, "every root", 10)
+    finally:
+        held.set()
+        runner.join()

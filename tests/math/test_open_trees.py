@@ -4,12 +4,15 @@ whatever order its samples arrive in."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, open_trees_bound, search
 from tests.fakes.llm import CapacityFleet
 from tests.fakes.math import PROMPT, SCRIPT, A, B, F, StepPolicy, padded
 from tests.fakes.sandbox import MemoSandbox
+from tests.fakes.servers import wait_until
 
 CONFIG = MCTSConfig(rollouts=4, width=3, max_depth=4, errors_threshold=1)
 # Twelve problems, worded apart so each tree has prompts of its own: the golden tree, and one
@@ -69,3 +72,21 @@ def test_the_open_trees_follow_the_fleets_spare_capacity(sandbox):
     # room for every tree is held to what memory allows.
     assert mean[3] < mean[6] < mean[1000]
     assert stats[3].open_trees_most < stats[1000].open_trees_most == 8
+
+
+def test_trees_open_when_the_fleet_grows_before_any_answer(sandbox):
+    """The search waits for answers, but room on the fleet (a client's window that grew) wakes
+    it too: more trees open while the first one's samples are still out."""
+    held = threading.Event()
+    fleet = CapacityFleet(StepPolicy(scripts=SCRIPTS), CONFIG.width, delay_s=0.0, held=held)
+    searcher = MCTSSearch(fleet, sandbox, CONFIG, prompt=PROMPT)
+    runner = threading.Thread(target=searcher.run, args=(PROBLEMS[:3],))
+    runner.start()
+    try:
+        wait_until(lambda: fleet.outstanding == CONFIG.width, "one tree's expansion", 10)
+        fleet.grow(3 * CONFIG.width)
+        wait_until(lambda: fleet.outstanding == 3 * CONFIG.width, "three trees' expansions", 10)
+    finally:
+        held.set()
+        runner.join()
+    assert searcher.stats.open_trees_most == 3
