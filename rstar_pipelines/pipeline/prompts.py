@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,6 +14,13 @@ _ENV = jinja2.Environment(
     keep_trailing_newline=True,
     autoescape=False,
 )
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(source: str) -> jinja2.Template:
+    """A template's source compiled once: compiling costs far more than rendering, and a stage
+    renders one template for each of its prompts."""
+    return _ENV.from_string(source)
 
 
 @dataclass(frozen=True)
@@ -30,6 +38,6 @@ class PromptTemplate:
 
     def render(self, **variables: object) -> str:
         try:
-            return _ENV.from_string(self.source).render(**variables)
+            return _compiled(self.source).render(**variables)
         except jinja2.UndefinedError as err:
             raise ValueError(f"prompt template {self.name}: {err.message}") from err
