@@ -133,17 +133,27 @@ class Arrivals:
     """The futures a scheduler waits for, handed back as they finish. Each puts itself on a
     queue when it is done, so that a wait costs per future finished, not per future in flight
     (`concurrent.futures.wait` visits every one on each call: thousands over a large fleet).
-    `wake` ends a wait with nothing finished: the fleet has room for more work
-    (`types.on_room`)."""
+    `wake` ends a wait with nothing finished: the fleet has room for more work; between
+    `wake_on_room(llm)` and `stop_waking()` the LLM's client calls it (`types.on_room`)."""
 
     def __init__(self) -> None:
         self._finished: SimpleQueue[Future | None] = SimpleQueue()
+        self._stop_waking: Callable[[], None] | None = None
 
     def watch(self, future: Future) -> None:
         future.add_done_callback(self._finished.put)
 
     def wake(self) -> None:
         self._finished.put(None)
+
+    def wake_on_room(self, llm: LLM) -> None:
+        self._stop_waking = on_room(llm, self.wake)
+
+    def stop_waking(self) -> None:
+        """No more wakes for room (the caller has nothing left to open); once is enough."""
+        if self._stop_waking is not None:
+            self._stop_waking()
+            self._stop_waking = None
 
     def wait(self, timeout: float | None) -> list[Future]:
         """The futures watched that finished since the last call, waiting up to `timeout`
@@ -194,14 +204,14 @@ class _Scheduler:
 
     def run(self, coroutines: Sequence[Coroutine]) -> None:
         self.window = Window(len(coroutines), self.most_open)
-        stop_watching_room = on_room(self.llm, self.arrivals.wake) if self.streamed else None
+        if self.streamed:
+            self.arrivals.wake_on_room(self.llm)
         with ThreadPoolExecutor(max_workers=max(1, len(self.lanes))) as pool:
             try:
                 while True:
                     self._open(coroutines)
-                    if stop_watching_room is not None and self.window.all_started:
-                        stop_watching_room()
-                        stop_watching_room = None
+                    if self.window.all_started:
+                        self.arrivals.stop_waking()
                     self._advance()
                     self._submit_asks()
                     busy = {lane for lane, _ in self.waiting.values() if lane is not None}
@@ -221,8 +231,7 @@ class _Scheduler:
                     for future in done:
                         self._resume(future)
             finally:
-                if stop_watching_room is not None:
-                    stop_watching_room()
+                self.arrivals.stop_waking()
                 for future in self.waiting:
                     future.cancel()
 

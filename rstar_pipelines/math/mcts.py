@@ -68,7 +68,6 @@ from rstar_pipelines.llm.types import (
     Completion,
     Prompt,
     SamplingParams,
-    on_room,
     serves_each_request,
     spare_capacity,
     submit,
@@ -751,12 +750,10 @@ class _Run:
     # Looked up when the run starts, not bound here: a test puts its own `Arrivals` in place.
     arrivals: Arrivals = field(default_factory=lambda: Arrivals())
     held_since: dict[type, float] = field(default_factory=dict)
-    # While trees are left to open over a fleet: the client wakes the run when it has room.
-    stop_watching_room: Callable[[], None] = lambda: None
 
     def opened_all(self) -> None:
         """Every tree has opened (or the run has ended): room no longer concerns the run."""
-        self.stop_watching_room()
+        self.arrivals.stop_waking()
         self.all_opened.set()
 
     def begin(self, tree: int, search: _Search) -> None:
@@ -835,8 +832,8 @@ class MCTSSearch:
         bound = open_trees_bound(self.config, memory_mb)
         opened = Window(len(problems), min(window or bound, bound))
         run = _Run(problems, on_tree, opened, all_opened or threading.Event())
-        if not self.config.lockstep:
-            run.stop_watching_room = on_room(self.policy, run.arrivals.wake)
+        if not self.config.lockstep:  # over a fleet, the client wakes the run when it has room
+            run.arrivals.wake_on_room(self.policy)
         with ThreadPoolExecutor(max_workers=2) as pool:  # the sandbox's lane and the PPM's
             try:
                 while True:
