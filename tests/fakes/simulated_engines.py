@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import heapq
 import json
 import random
@@ -139,9 +140,10 @@ def scripted_text(prompt: str, seed: int, length: int) -> tuple[str, str | None]
     return completion.text, completion.stop_string
 
 
+@functools.cache
 def scripted_steps():
-    """benchmarks/mcts.py's scripted policy. Its import takes seconds (it loads the package):
-    the fleet makes it before it serves, not while its first answer waits."""
+    """benchmarks/mcts.py's scripted policy, looked up once. Its import takes seconds (it loads
+    the package): the fleet makes it before it serves, not while its first answer waits."""
     sys.path.insert(0, str(REPO / "benchmarks"))
     from mcts import scripted_step
 
