@@ -106,6 +106,11 @@ class Window:
     def all_started(self) -> bool:
         return self._next >= self.count
 
+    @property
+    def left(self) -> int:
+        """The items not yet started."""
+        return self.count - self._next
+
     def start(self, at_most: int | None = None) -> list[int]:
         """The items to start now, in order: as many as the window has room for, at most
         `at_most` (None: no limit)."""

@@ -23,8 +23,8 @@ class CountingLLM:
         _count_completions([c for out in outputs for c in out])
         return outputs
 
-    def submit(self, prompts: Any, params: Any) -> Any:
-        futures = submit(self._llm, prompts, params)
+    def submit(self, prompts: Any, params: Any, priority: float = 0.0) -> Any:
+        futures = submit(self._llm, prompts, params, priority)
         for future in futures:
             future.add_done_callback(_count_answered)
         return futures

@@ -75,14 +75,15 @@ from __future__ import annotations
 
 import asyncio
 import email.utils
+import heapq
+import itertools
 import json
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -188,6 +189,7 @@ class _Prompt:
     params: SamplingParams
     future: Future
     completions: list[Completion | None]
+    priority: float = 0.0
     started: bool = False
 
 
@@ -201,34 +203,48 @@ class _Job:
     failed_on: set[str] = field(default_factory=set)
 
 
-class _Queue(deque):
-    """The jobs waiting for a server, with the samples they hold (`sequences`), kept as jobs
-    come and go so that `spare_capacity` reads it without walking the queue."""
+class _Queue:
+    """The jobs waiting for a server, lowest priority first and in the order they came within
+    one priority; a job put back (`appendleft`: a retry, the rest of a split request) goes
+    first within its priority. `sequences` (the samples the jobs hold) is kept as jobs come
+    and go, so that `spare_capacity` reads it without walking the queue."""
 
     def __init__(self) -> None:
-        super().__init__()
+        self._heap: list[tuple[float, int, _Job]] = []
+        self._order = itertools.count()
         self.sequences = 0
 
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[_Job]:
+        return (job for _, _, job in self._heap)
+
+    def __getitem__(self, index: Literal[0]) -> _Job:
+        return self._heap[index][2]
+
     def append(self, job: _Job) -> None:
-        super().append(job)
-        self.sequences += len(job.samples)
+        self._push(job, next(self._order))
 
     def appendleft(self, job: _Job) -> None:
-        super().appendleft(job)
-        self.sequences += len(job.samples)
+        self._push(job, -next(self._order))
 
     def extend(self, jobs: Sequence[_Job]) -> None:
         for job in jobs:
             self.append(job)
 
     def popleft(self) -> _Job:
-        job = super().popleft()
+        job = heapq.heappop(self._heap)[2]
         self.sequences -= len(job.samples)
         return job
 
     def clear(self) -> None:
-        super().clear()
+        self._heap.clear()
         self.sequences = 0
+
+    def _push(self, job: _Job, order: int) -> None:
+        heapq.heappush(self._heap, (job.owner.priority, order, job))
+        self.sequences += len(job.samples)
 
 
 @dataclass(frozen=True)
@@ -290,9 +306,11 @@ class OpenAILLM:
         return self._model
 
     def submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams
+        self, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
     ) -> list[Future[list[Completion]]]:
-        owners = [_Prompt(p, params, Future(), [None] * params.n) for p in prompts]
+        """One future per prompt. What waits for room in the windows goes out lowest
+        `priority` first (vLLM's sense), in submission order within one priority."""
+        owners = [_Prompt(p, params, Future(), [None] * params.n, priority) for p in prompts]
         jobs = [_Job(owner, list(range(params.n))) for owner in owners]
         with self._incoming_lock:
             self._incoming += len(prompts) * params.n

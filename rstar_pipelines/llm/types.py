@@ -83,10 +83,11 @@ class LLM(Protocol):
 @runtime_checkable
 class AsyncLLM(LLM, Protocol):
     """An LLM that takes prompts one by one and answers each as soon as its completions are in
-    (the openai backend over a fleet of servers). Others get `GenerateBatcher` from `submit`."""
+    (the openai backend over a fleet of servers). Others get `GenerateBatcher` from `submit`.
+    What waits for the engine goes to it lowest `priority` first."""
 
     def submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams
+        self, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
     ) -> list[Future[list[Completion]]]: ...
 
 
@@ -129,15 +130,17 @@ def _nothing_to_stop() -> None:
 
 
 def submit(
-    llm: LLM, prompts: Sequence[Prompt], params: SamplingParams
+    llm: LLM, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
 ) -> list[Future[list[Completion]]]:
     """One future per prompt, resolved with its `params.n` completions as soon as they are in,
-    whatever the others do. Cancelling a future that has not started withdraws its prompt."""
+    whatever the others do. Cancelling a future that has not started withdraws its prompt.
+    Over an `AsyncLLM`, prompts waiting for room go out lowest `priority` first; an in-process
+    model runs everything waiting as its next batches, so there it changes nothing."""
     # An AsyncLLM is an LLM with `submit`. Asked by that method alone: a check against the
     # runtime protocol looks up each of its members, about 15 µs on every request of a search
     # that submits each sample alone.
     if callable(getattr(llm, "submit", None)):
-        return llm.submit(prompts, params)
+        return llm.submit(prompts, params, priority)
     return GenerateBatcher.of(llm).submit(prompts, params)
 
 

@@ -23,11 +23,16 @@ samples that decide its next step are in (TreeSearch: the tree stays the referen
 
 How many trees are open: over a fleet (a policy that reports its spare capacity,
 `llm.types.spare_capacity`) another tree opens whenever the fleet's windows have room, so the
-fleet decides (the client wakes the search when a window grows: `llm.types.on_room`); every
-tree at once over an in-process policy and in lock-step. Either way at most what `memory_mb`
+fleet decides (the client wakes the search when a window grows: `llm.types.on_room`), and the
+trees left open at once when they are no more than the open ones; every tree at once over an
+in-process policy and in lock-step. Either way at most what `memory_mb`
 holds (`open_trees_bound`: that budget over the most one tree can hold) and at most `window`
 where one is declared. Each tree is handed to `on_tree` when it ends (the search stages commit
 it to the item cache then) and let go, so memory stays bounded whatever the number of problems.
+Over a fleet each expansion goes with how far its tree has gone as its priority (the client
+sends what waits for room lowest first): the trees with the most steps left go first, the last
+trees opened among them, so the trees end together instead of the longest few finishing their
+chains alone while the fleet drains.
 
 Where trees are fewer than the fleet has slots, one rollout at a time leaves it idle: a tree's
 steps are a chain. `rollouts_in_flight` above 1 (a declared departure; 1, the default, is the
@@ -326,10 +331,11 @@ class SearchStats:
         }
 
 
-# What a tree waits for.
+# What a tree waits for. An expansion carries how far its tree has gone (`TreeSearch.progress`).
 @dataclass
 class _Generate:
     prompt: Prompt
+    progress: int
 
 
 @dataclass
@@ -338,6 +344,7 @@ class _Sample:
     future per sample, which the tree then waits for one by one (`_Wait`)."""
 
     prompt: Prompt
+    progress: int
 
 
 @dataclass
@@ -492,10 +499,21 @@ class TreeSearch:
                 yield from self.expand(node, steps - step - 1)
             node = step_down(node, self.config.c)
 
+    def progress(self, steps_left: int) -> int:
+        """How far the tree has gone, in rollout steps, at an expansion with `steps_left` steps
+        of its rollout after it: every step of the rollouts before, and this rollout's up to
+        here. The work left is about the budget less this (an early answer ends a rollout and
+        skips ahead), so over a fleet the expansion goes with it as its priority: lowest first,
+        the trees with the most left go first and the trees end together, instead of the
+        longest few finishing alone on a draining fleet."""
+        depth = self.config.max_depth
+        return (len(self.tree.rollout_paths) - 1) * depth + depth - 1 - steps_left
+
     def expand(self, node: Node, steps_left: int) -> _Search:
         prompt = self.prompt.build(self.tree.problem.question, node.steps())
+        progress = self.progress(steps_left)
         if self.early:
-            samples = yield _Sample(prompt)
+            samples = yield _Sample(prompt, progress)
             unsettled = _Unsettled(node, samples, [], steps_left)
             self.unsettled.append(unsettled)
             while len(unsettled.received) < len(samples):
@@ -511,7 +529,7 @@ class TreeSearch:
                     return  # the walk goes on into the first open child
             self.unsettled.remove(unsettled)  # every sample in, and no open child
             return
-        completions: list[Completion] = yield _Generate(prompt)
+        completions: list[Completion] = yield _Generate(prompt, progress)
         yield from self._attach(node, completions, len(completions))
         # The PPM values every new node still open, and in evaluation mode every new answer too.
         scored = [
@@ -840,6 +858,10 @@ class MCTSSearch:
                     engine_start = time.perf_counter()
                     self._open_trees(run)
                     self._advance(run)
+                    # Once the last tree's first requests are out (a search waiting for it
+                    # would take the fleet's room first), and once, not on every turn.
+                    if run.opened.all_started and not run.all_opened.is_set():
+                        run.opened_all()
                     now = time.perf_counter()
                     for kind in self._lanes_to_start(
                         run.pending, run.kinds_in_flight, run.opened.running, run.held_since, now
@@ -865,8 +887,6 @@ class MCTSSearch:
             run.rules[i] = TreeSearch(tree, self.config, self.prompt, ppm, early, self.stats)
             for search in run.rules[i].searches():
                 run.begin(i, search)
-        if started and run.opened.all_started:  # once, not on every turn of the loop
-            run.opened_all()
 
     def _search_ended(self, run: _Run, key: int) -> None:
         """A search is over: the tree's next rollout begins, or the tree ends with its last."""
@@ -938,12 +958,15 @@ class MCTSSearch:
     def _trees_to_open(self, opened: Window) -> int | None:
         """How many more trees to open now (None: as many as the window has room for). Over a
         policy that reports its spare capacity (a fleet), one while the fleet has room, or
-        when none is open; every tree the window has room for in lock-step (the reference's
-        schedule) and over a policy that reports none (an in-process model)."""
+        when none is open, and all that are left once they are no more than the open ones:
+        opened as room frees, the last trees would start their chains as the fleet drains,
+        while opened now (their expansions go first: `TreeSearch.progress`) they end with the
+        others. Every tree the window has room for in lock-step (the reference's schedule)
+        and over a policy that reports none (an in-process model)."""
         if self.config.lockstep:
             return None
         spare = spare_capacity(self.policy)
-        if spare is None:
+        if spare is None or opened.left <= opened.running:
             return None
         return 1 if spare > 0 or opened.running == 0 else 0
 
@@ -990,9 +1013,15 @@ class MCTSSearch:
         return MIN_GATHER_S
 
     def _generate(self, requests: list[_Generate]) -> list[Future[list[Completion]]]:
-        """Submit the expansions together; `llm_s` gains the time until the last is back."""
+        """Submit the expansions together; `llm_s` gains the time until the last is back. To
+        a fleet each goes with its tree's progress as its priority; an in-process model gets
+        them as one batch."""
         sampling = self._next_sampling(len(requests))
-        return self._timed(submit(self.policy, [r.prompt for r in requests], sampling))
+        if not self._streamed:
+            return self._timed(submit(self.policy, [r.prompt for r in requests], sampling))
+        return self._timed(
+            [submit(self.policy, [r.prompt], sampling, r.progress)[0] for r in requests]
+        )
 
     def _sample(self, request: _Sample) -> list[Future[list[Completion]]]:
         """Submit one expansion's samples as requests of their own, sample i seeded with
@@ -1005,6 +1034,7 @@ class MCTSSearch:
                     self.policy,
                     [request.prompt],
                     one if one.seed is None else one.model_copy(update={"seed": one.seed + i}),
+                    request.progress,
                 )[0]
                 for i in range(sampling.n)
             ]

@@ -143,7 +143,7 @@ class StreamingLLM:
         return self.llm.generate(prompts, params)
 
     def submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams
+        self, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
     ) -> list[Future[list[Completion]]]:
         futures = []
         for prompt in prompts:
@@ -177,7 +177,7 @@ class ArrivingLLM:
         return self.llm.generate(prompts, params)
 
     def submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams
+        self, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
     ) -> list[Future[list[Completion]]]:
         futures = []
         for prompt in prompts:
@@ -226,7 +226,8 @@ class CapacityFleet:
     its spare capacity), with `fleet_answer`'s completions; each answer comes after a delay drawn
     from `seed` (up to `delay_s`), so samples arrive out of order. `spare_capacity()` is the
     slots less the sequences not yet answered; the test sets `capacity`, or `grow`s it as a
-    client's window grows, calling what `on_room` was given. With `held`, answers wait until it
+    client's window grows, calling what `on_room` was given; `sent` records what was asked for,
+    with its priority. With `held`, answers wait until it
     is set. A prompt whose script lacks it fails its future (KeyError), as a crashed server
     would."""
 
@@ -242,6 +243,7 @@ class CapacityFleet:
         self.name = llm.name
         self.random = random.Random(seed)
         self.asked: Counter[str] = Counter()
+        self.sent: list[tuple[Prompt, float]] = []  # each prompt asked for, with its priority
         self.outstanding = 0
         self.lock = threading.Lock()
         self.room_callbacks: list[Callable[[], None]] = []
@@ -269,13 +271,14 @@ class CapacityFleet:
             return self.capacity - self.outstanding
 
     def submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams
+        self, prompts: Sequence[Prompt], params: SamplingParams, priority: float = 0.0
     ) -> list[Future[list[Completion]]]:
         futures = []
         for prompt in prompts:
             future: Future = Future()
             futures.append(future)
             with self.lock:  # searches side by side submit from threads of their own
+                self.sent.append((prompt, priority))
                 try:
                     result, _ = fleet_answer(self.llm, self.asked, prompt, params)
                 except KeyError as exc:

@@ -17,6 +17,7 @@ from rstar_pipelines.llm import LLM, SamplingParams, load_llm
 from rstar_pipelines.llm.openai_backend import LLMServerError, parse_base_urls, retry_after_s
 from rstar_pipelines.llm.types import AsyncLLM, stream
 from tests.fakes.openai_server import CannedServer, word_tokenizer
+from tests.fakes.servers import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 SAY_HI = [{"role": "user", "content": "Say hi."}]
@@ -134,6 +135,31 @@ def test_submit_streams_each_prompt_as_it_finishes():
             order.append((index, completion.text))
             release.set()
     assert order == [(1, "FAST"), (0, "SLOW")]
+
+
+def test_what_waits_for_room_goes_lowest_priority_first():
+    """Behind a window of one request, the prompts submitted while it is taken go out lowest
+    priority first, in submission order within one priority."""
+    release = threading.Event()
+
+    def answer(method, path, body):
+        if body and body["prompt"] == "first":
+            release.wait(10)
+        return 200, _completion_json(body["prompt"])
+
+    with (
+        CannedServer(answer) as (url, requests),
+        closing(load_llm("openai", model="m", base_url=url, max_concurrency=1)) as llm,
+    ):
+        [first] = llm.submit(["first"], GREEDY, priority=9)
+        wait_until(lambda: any(b and b["prompt"] == "first" for b in requests), "the first post")
+        waiting = [(f"p{i}-{p}", p) for i, p in enumerate([2, 0, 1.5, 0, -1])]
+        futures = [llm.submit([prompt], GREEDY, priority)[0] for prompt, priority in waiting]
+        release.set()
+        for future in [first, *futures]:
+            future.result(timeout=30)
+    sent = [body["prompt"] for body in requests if body is not None]
+    assert sent == ["first", "p4--1", "p1-0", "p3-0", "p2-1.5", "p0-2"]
 
 
 def test_all_samples_of_a_prompt_go_as_one_request_to_vllm():

@@ -90,3 +90,18 @@ def test_trees_open_when_the_fleet_grows_before_any_answer(sandbox):
         held.set()
         runner.join()
     assert searcher.stats.open_trees_most == 3
+
+
+def test_an_expansion_goes_with_how_far_its_tree_has_gone(sandbox):
+    """Over a fleet, each sample of an expansion goes with the rollout steps its tree has taken
+    before it (the rollouts before, times max_depth, and the steps of this one) as its
+    priority: the client sends what waits lowest first, so the trees with the most left go
+    first and the trees end together."""
+    fleet = CapacityFleet(StepPolicy(scripts=SCRIPTS), 1000, delay_s=0.02)
+    MCTSSearch(fleet, sandbox, CONFIG, prompt=PROMPT).run(PROBLEMS[:2])
+    golden = [priority for prompt, priority in fleet.sent if PROBLEMS[1].question in prompt]
+    # The golden tree (max_depth 4): the first rollout expands the root and two nodes below
+    # it (steps 0-2); the second expands nothing; the third two nodes from its first step
+    # (2 x 4 + 0, + 1); the fourth two from its second step (3 x 4 + 1, + 2).
+    steps = [0, 1, 2, 8, 9, 13, 14]
+    assert golden == [step for step in steps for _ in range(CONFIG.width)]

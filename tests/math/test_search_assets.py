@@ -87,9 +87,10 @@ class FleetsByTemperature:
     def generate(self, prompts, params):
         return [future.result() for future in self.submit(prompts, params)]
 
-    def submit(self, prompts, params):
+    def submit(self, prompts, params, priority=0.0):
         self.sent += [(params.temperature, prompt) for prompt in prompts]
-        return (self.cold if params.temperature == 0 else self.warm).submit(prompts, params)
+        fleet = self.cold if params.temperature == 0 else self.warm
+        return fleet.submit(prompts, params, priority)
 
     def spare_capacity(self) -> int:
         return min(self.cold.spare_capacity(), self.warm.spare_capacity())
