@@ -55,14 +55,20 @@ class SQLiteStore:
     """One file (WAL: readers never wait for the writer). Threads of one stage may share it
     (searches side by side): one statement or transaction at a time on its connection."""
 
+    # Two threads opening one new file at once: the second's switch to WAL fails at once with
+    # "database is locked" (SQLite does not wait on that lock), so opening is one at a time.
+    _opening = threading.Lock()
+
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         self._db = sqlite3.connect(path, timeout=60, check_same_thread=False)
         self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(
-            "CREATE TABLE IF NOT EXISTS items (fingerprint TEXT PRIMARY KEY, value TEXT NOT NULL)"
-        )
+        with self._opening:
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS items "
+                "(fingerprint TEXT PRIMARY KEY, value TEXT NOT NULL)"
+            )
 
     def get_many(self, keys: Sequence[str]) -> dict[str, str]:
         found = {}
