@@ -828,7 +828,8 @@ class MCTSSearch:
         self._streamed = isinstance(policy, AsyncLLM)
         # Per-sample requests pay only where an engine serves each one as it comes: through the
         # in-process batcher each would be a batch of one row with its own prefill.
-        self._early = descend_early and serves_each_request(policy) and not self.config.lockstep
+        self._fleet = serves_each_request(policy)
+        self._early = descend_early and self._fleet and not self.config.lockstep
 
     def run(
         self,
@@ -1017,7 +1018,7 @@ class MCTSSearch:
         a fleet each goes with its tree's progress as its priority; an in-process model gets
         them as one batch."""
         sampling = self._next_sampling(len(requests))
-        if not self._streamed:
+        if not self._fleet:  # one submit: the batcher then seeds them as one batch
             return self._timed(submit(self.policy, [r.prompt for r in requests], sampling))
         return self._timed(
             [submit(self.policy, [r.prompt], sampling, r.progress)[0] for r in requests]

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from rstar_pipelines.llm.counting import CountingLLM
 from rstar_pipelines.math.mcts import MCTSConfig, MCTSSearch, Problem, open_trees_bound, search
 from tests.fakes.llm import CapacityFleet
 from tests.fakes.math import PROMPT, SCRIPT, A, B, F, StepPolicy, padded
@@ -105,3 +106,17 @@ def test_an_expansion_goes_with_how_far_its_tree_has_gone(sandbox):
     # (2 x 4 + 0, + 1); the fourth two from its second step (3 x 4 + 1, + 2).
     steps = [0, 1, 2, 8, 9, 13, 14]
     assert golden == [step for step in steps for _ in range(CONFIG.width)]
+
+
+def test_a_model_in_process_behind_a_wrapper_gets_the_expansions_as_one_batch(sandbox):
+    """The progress counter's wrapper has `submit`, but the model behind it batches: the roots
+    of all the trees go in one generate call, as before the priorities (its seeds are drawn per
+    call, so splitting the batch would change the samples)."""
+    policy = StepPolicy(scripts=SCRIPTS)
+    batches = []
+    generate = policy.generate
+    policy.generate = lambda prompts, params: (
+        batches.append(len(prompts)) or generate(prompts, params)
+    )
+    MCTSSearch(CountingLLM(policy), sandbox, CONFIG, prompt=PROMPT).run(PROBLEMS[:4])
+    assert batches[0] == 4
