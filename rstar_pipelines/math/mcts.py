@@ -25,9 +25,9 @@ How many trees are open: over a fleet (a policy that reports its spare capacity,
 `llm.types.spare_capacity`) another tree opens whenever the fleet's windows have room, so the
 fleet decides (the client wakes the search when a window grows: `llm.types.on_room`), and the
 trees left open at once when they are no more than the open ones; every tree at once over an
-in-process policy and in lock-step. Either way at most what `memory_mb`
-holds (`open_trees_bound`: that budget over the most one tree can hold) and at most `window`
-where one is declared. Each tree is handed to `on_tree` when it ends (the search stages commit
+in-process policy and in lock-step. Either way at most what `memory_mb` holds
+(`open_trees_bound`: that budget over the most one tree can hold) and at most `window` where
+one is declared. Each tree is handed to `on_tree` when it ends (the search stages commit
 it to the item cache then) and let go, so memory stays bounded whatever the number of problems.
 Over a fleet each expansion goes with how far its tree has gone as its priority (the client
 sends what waits for room lowest first): the trees with the most steps left go first, the last

@@ -227,9 +227,8 @@ class CapacityFleet:
     from `seed` (up to `delay_s`), so samples arrive out of order. `spare_capacity()` is the
     slots less the sequences not yet answered; the test sets `capacity`, or `grow`s it as a
     client's window grows, calling what `on_room` was given; `sent` records what was asked for,
-    with its priority. With `held`, answers wait until it
-    is set. A prompt whose script lacks it fails its future (KeyError), as a crashed server
-    would."""
+    with its priority. With `held`, answers wait until it is set. A prompt whose script lacks
+    it fails its future (KeyError), as a crashed server would."""
 
     def __init__(
         self,
